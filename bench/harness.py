@@ -1,0 +1,125 @@
+"""Shared benchmark harness: timing, the device's own ceilings, tables.
+
+Timing is ``cupyx.profiler.benchmark`` (CUDA events around each rep, after warm-up);
+we report the median GPU time. Inputs are sized well past the 60 MB L2 of an H200, or
+rotated, so the numbers are memory numbers, not cache numbers.
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+
+import cupy
+import numpy as np
+from cupyx.profiler import benchmark
+
+L2_FLUSH_BYTES = 256 << 20
+
+
+def median_ms(fn, *, n_warmup: int = 10, n_repeat: int = 50, flush_l2: bool = False) -> float:
+    """Median GPU time of ``fn()`` in milliseconds.
+
+    ``flush_l2`` writes a 256 MB buffer before every rep (outside the timed region is not
+    possible with cupyx.profiler.benchmark, so the flush is timed separately and
+    subtracted: both medians come from the same run).
+    """
+    if not flush_l2:
+        res = benchmark(fn, n_warmup=n_warmup, n_repeat=n_repeat)
+        return float(np.median(res.gpu_times[0]) * 1e3)
+    scratch = cupy.empty(L2_FLUSH_BYTES, dtype=np.uint8)
+    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    times = []
+    for i in range(n_warmup + n_repeat):
+        scratch.fill(i & 0xFF)
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        if i >= n_warmup:
+            times.append(cupy.cuda.get_elapsed_time(start, stop))
+    return float(statistics.median(times))
+
+
+def host_us_per_call(fn, *, n: int = 2000) -> float:
+    """Host-side microseconds per call (launch path cost), GPU work queued, not waited on."""
+    import time
+    for _ in range(50):
+        fn()
+    cupy.cuda.get_current_stream().synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    t1 = time.perf_counter()
+    cupy.cuda.get_current_stream().synchronize()
+    return (t1 - t0) / n * 1e6
+
+
+@dataclass
+class Ceilings:
+    copy_gbps: float        # device-to-device copy, bytes read + written
+    read_gbps: float        # 16-byte-load read-only kernel
+    matmul_tflops: float    # large bf16 (or fp16) matmul
+    device: str
+
+    def row(self) -> dict:
+        return {"device": self.device, "copy GB/s": round(self.copy_gbps),
+                "read GB/s": round(self.read_gbps), "matmul TFLOP/s": round(self.matmul_tflops)}
+
+
+_READ_KERNEL = r"""
+extern "C" __global__ void read_sum(const uint4* __restrict__ x, long long n, unsigned* out) {
+  unsigned acc = 0;
+  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+       i += (long long)gridDim.x * blockDim.x) {
+    uint4 v = __ldcs(x + i);
+    acc ^= v.x ^ v.y ^ v.z ^ v.w;
+  }
+  if (acc == 0x12345678u) out[0] = acc;   // keeps the loads alive
+}
+"""
+
+
+def measure_ceilings(quick: bool = False) -> Ceilings:
+    """The device's own copy, read and matmul ceilings, measured now."""
+    nbytes = (512 << 20) if quick else (2 << 30)
+    src = cupy.random.randint(0, 255, nbytes, dtype=np.uint8)
+    dst = cupy.empty_like(src)
+    t = median_ms(lambda: cupy.copyto(dst, src), n_repeat=20)
+    copy_gbps = 2 * nbytes / t / 1e6
+
+    read = cupy.RawKernel(_READ_KERNEL, "read_sum")
+    out = cupy.zeros(1, dtype=np.uint32)
+    sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
+    n16 = nbytes // 16
+    t = median_ms(lambda: read((sms * 4,), (512,), (src, np.int64(n16), out)), n_repeat=20)
+    read_gbps = nbytes / t / 1e6
+    del src, dst
+
+    n = 4096 if quick else 8192
+    try:
+        import ml_dtypes
+        a = cupy.random.standard_normal((n, n), dtype=np.float32).astype(ml_dtypes.bfloat16)
+        cupy.matmul(a, a)
+    except Exception:  # CuPy without a bf16 GEMM: fp16 runs at the same tensor rate
+        a = cupy.random.standard_normal((n, n), dtype=np.float32).astype(np.float16)
+    b = a.T.copy()
+    t = median_ms(lambda: cupy.matmul(a, b), n_warmup=5, n_repeat=20)
+    matmul_tflops = 2 * n ** 3 / t / 1e9
+    name = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
+    return Ceilings(copy_gbps, read_gbps, matmul_tflops, name)
+
+
+def format_table(rows: list[dict], title: str = "") -> str:
+    """A GitHub-style Markdown table of a list of dicts (union of keys, in first-seen order)."""
+    if not rows:
+        return f"{title}\n(no rows)\n"
+    cols: list[str] = []
+    for r in rows:
+        cols += [k for k in r if k not in cols]
+    def cell(v):
+        if isinstance(v, float):
+            return f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"
+        return "" if v is None else str(v)
+    lines = [f"| {' | '.join(cols)} |", "|" + "---|" * len(cols)]
+    lines += [f"| {' | '.join(cell(r.get(c)) for c in cols)} |" for r in rows]
+    return (f"### {title}\n" if title else "") + "\n".join(lines) + "\n"

@@ -1,0 +1,91 @@
+"""Argument checks shared by every public function.
+
+Every check raises ``TypeError`` or ``ValueError`` whose message starts with the
+argument's name, before anything is launched.
+"""
+from __future__ import annotations
+
+import cupy
+import numpy as np
+
+
+def as_device_array(x, name: str) -> cupy.ndarray:
+    """A CuPy view of a device array (CuPy, ``__cuda_array_interface__`` or DLPack), no copy.
+
+    Host arrays are refused rather than silently copied to the device.
+    """
+    if isinstance(x, cupy.ndarray):
+        return x
+    if isinstance(x, np.ndarray) or np.isscalar(x):
+        raise TypeError(f"{name}: expected a device array (cupy.ndarray or any CUDA array "
+                        f"with __cuda_array_interface__/__dlpack__), got host {type(x).__name__}; "
+                        "copy it with cupy.asarray() first")
+    if hasattr(x, "__cuda_array_interface__"):
+        return cupy.asarray(x)
+    if hasattr(x, "__dlpack__") and hasattr(x, "__dlpack_device__"):
+        device_type, _ = x.__dlpack_device__()
+        if int(device_type) in (2, 13):  # kDLCUDA, kDLCUDAManaged
+            return cupy.from_dlpack(x)
+        raise TypeError(f"{name}: DLPack array lives on device type {int(device_type)}, "
+                        "not a CUDA device")
+    raise TypeError(f"{name}: expected a device array, got {type(x).__name__}")
+
+
+def check_ndim(x: cupy.ndarray, ndim: int, name: str, shape_doc: str) -> None:
+    if x.ndim != ndim:
+        raise ValueError(f"{name}: expected {ndim} dimensions {shape_doc}, "
+                         f"got shape {tuple(x.shape)}")
+
+
+def check_shape(x: cupy.ndarray, shape: tuple, name: str, shape_doc: str) -> None:
+    if tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {tuple(shape)} {shape_doc}, "
+                         f"got {tuple(x.shape)}")
+
+
+def check_dtype(x: cupy.ndarray, dtype, name: str) -> None:
+    if x.dtype != np.dtype(dtype):
+        raise TypeError(f"{name}: expected dtype {np.dtype(dtype)}, got {x.dtype}")
+
+
+def check_last_dim_contiguous(x: cupy.ndarray, name: str) -> None:
+    """The last dimension must have unit stride; the others are free."""
+    if x.ndim and x.shape[-1] > 1 and x.strides[-1] != x.itemsize:
+        raise ValueError(f"{name}: the last dimension must be contiguous "
+                         f"(stride {x.itemsize} bytes), got strides {x.strides}")
+
+
+def check_aligned(x: cupy.ndarray, alignment: int, name: str) -> None:
+    """Base pointer and every outer stride are multiples of ``alignment`` bytes (vector loads)."""
+    bad_stride = any(s % alignment for s, n in zip(x.strides[:-1], x.shape[:-1]) if n > 1)
+    if x.data.ptr % alignment or bad_stride:
+        raise ValueError(f"{name}: the kernel loads {alignment}-byte vectors, so the base "
+                         f"address and outer strides must be multiples of {alignment} bytes; "
+                         f"got address {x.data.ptr:#x}, strides {x.strides}")
+
+
+def check_same_device(arrays: dict, device_id: int) -> None:
+    for name, x in arrays.items():
+        if x is not None and x.device.id != device_id:
+            raise ValueError(f"{name}: on device {x.device.id}, but the other inputs are on "
+                             f"device {device_id}")
+
+
+def element_strides(x: cupy.ndarray) -> tuple:
+    """Strides in elements (what kernels index with)."""
+    return tuple(s // x.itemsize for s in x.strides)
+
+
+def resolve_stream(stream):
+    """CuPy's current stream when ``stream`` is None; an int is taken as a raw handle."""
+    if stream is None:
+        return cupy.cuda.get_current_stream()
+    if isinstance(stream, int):
+        return cupy.cuda.ExternalStream(stream)
+    if isinstance(stream, cupy.cuda.Stream) or isinstance(stream, cupy.cuda.ExternalStream):
+        return stream
+    if hasattr(stream, "__cuda_stream__"):
+        _, handle = stream.__cuda_stream__()
+        return cupy.cuda.ExternalStream(handle)
+    raise TypeError(f"stream: expected a cupy.cuda.Stream, a raw handle (int) or None, "
+                    f"got {type(stream).__name__}")

@@ -1,0 +1,69 @@
+"""Run-time compilation: variant keys -> NVRTC -> disk cache -> loaded CuPy functions.
+
+The hot path of every public call is ``get_kernel(key)``: a dictionary hit on
+(device, key) once the variant has been loaded in this process.
+"""
+from __future__ import annotations
+
+import threading
+
+import cupy
+
+from . import cache, compiler
+from .compiler import CompileError, CompileResult, Resources, compile_cubin, nvrtc_version
+from .params import ParamsStruct
+from .variant import Variant
+
+__all__ = ["CompileError", "CompileResult", "ParamsStruct", "Resources", "Variant",
+           "arch_of_device", "build", "cache", "compile_variant", "compiler", "get_kernel",
+           "nvrtc_version"]
+
+_loaded: dict[tuple[int, Variant], "cupy.cuda.function.Function"] = {}
+_modules: list = []          # keep modules alive as long as their functions
+_lock = threading.Lock()
+
+
+def arch_of_device(device_id: int) -> str:
+    """``sm_XY`` of a device (CuPy reports the compute capability as "XY")."""
+    return "sm_" + cupy.cuda.Device(device_id).compute_capability
+
+
+def compile_variant(key: Variant, arch: str) -> CompileResult:
+    """Compile without the cache (tests read the ptxas report of the result)."""
+    return compile_cubin(key.source(), key.name, arch)
+
+
+def build(key: Variant, arch: str) -> bool:
+    """Make sure the variant is in the disk cache for ``arch``; True if it was compiled now."""
+    _, compiled = cache.get_cubin(key.name, key.source(), arch)
+    return compiled
+
+
+def _load(key: Variant, device_id: int):
+    arch = arch_of_device(device_id)
+    cubin, _ = cache.get_cubin(key.name, key.source(), arch)
+    with cupy.cuda.Device(device_id):
+        module = cupy.cuda.function.Module()
+        try:
+            module.load(cubin)
+        except cupy.cuda.driver.CUDADriverError:
+            # A cache entry the driver refuses (corrupt but well-formed): rebuild it once.
+            cubin, _ = cache.get_cubin(key.name, key.source(), arch, force=True)
+            module = cupy.cuda.function.Module()
+            module.load(cubin)
+        function = module.get_function(key.name)
+        if key.dynamic_smem_bytes > 48 * 1024:
+            function.max_dynamic_shared_size_bytes = key.dynamic_smem_bytes
+    _modules.append(module)
+    return function
+
+
+def get_kernel(key: Variant, device_id: int):
+    """The loaded kernel of ``key`` on ``device_id`` (compiled or read from disk on first use)."""
+    function = _loaded.get((device_id, key))
+    if function is None:
+        with _lock:
+            function = _loaded.get((device_id, key))
+            if function is None:
+                function = _loaded[(device_id, key)] = _load(key, device_id)
+    return function

@@ -1,0 +1,137 @@
+"""NVRTC through cuda-python: CUDA C++ source -> cubin for one named architecture.
+
+No GPU is needed: the architecture is always given explicitly (``sm_90``), which is
+what lets CI and ``python -m cuattn precompile --arch`` build kernels on a CPU machine.
+"""
+from __future__ import annotations
+
+import functools
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+CUDA_SRC = None  # set lazily by cuda_src_dir()
+
+
+class CompileError(RuntimeError):
+    """NVRTC rejected a variant; carries the variant's name and the compiler's log."""
+
+    def __init__(self, variant: str, arch: str, log: str):
+        super().__init__(f"NVRTC failed to compile {variant} for {arch}:\n{log}")
+        self.variant, self.arch, self.log = variant, arch, log
+
+
+@dataclass(frozen=True)
+class Resources:
+    """What ptxas reports for one kernel (``--ptxas-options=-v``)."""
+    registers: int
+    stack_bytes: int
+    spill_stores: int
+    spill_loads: int
+
+
+@dataclass(frozen=True)
+class CompileResult:
+    cubin: bytes
+    log: str
+
+    def resources(self) -> dict[str, Resources]:
+        return parse_ptxas_report(self.log)
+
+
+@functools.cache
+def cuda_src_dir() -> Path:
+    """The kernel sources: inside the installed package, or at the top of a source checkout."""
+    package = Path(__file__).resolve().parent.parent
+    for candidate in (package / "cuda_src", package.parent / "cuda_src"):
+        if (candidate / "common").is_dir():
+            return candidate
+    raise FileNotFoundError(f"cuattn: kernel sources (cuda_src/) not found near {package}")
+
+
+@functools.cache
+def cuda_include_dir() -> str:
+    """Directory holding cuda_fp16.h / cuda_bf16.h, which NVRTC does not find by itself."""
+    from cuda import pathfinder
+    found = pathfinder.find_nvidia_header_directory("cudart")
+    if found is None:
+        raise FileNotFoundError(
+            "cuattn: CUDA runtime headers (cuda_fp16.h) not found; install "
+            "nvidia-cuda-runtime-cu12 (CUDA 12) or nvidia-cuda-runtime (CUDA 13)")
+    return str(found)
+
+
+def _nvrtc():
+    from cuda.bindings import nvrtc
+    return nvrtc
+
+
+def _check(result, what: str):
+    err = result[0]
+    if int(err) != 0:
+        raise RuntimeError(f"NVRTC {what} failed: {err}")
+    return result[1:] if len(result) > 2 else (result[1] if len(result) == 2 else None)
+
+
+@functools.cache
+def nvrtc_version() -> tuple[int, int]:
+    major, minor = _check(_nvrtc().nvrtcVersion(), "nvrtcVersion")
+    return int(major), int(minor)
+
+
+def compile_options(arch: str) -> list[str]:
+    """Every option that reaches NVRTC (part of the cache key)."""
+    return [
+        f"--gpu-architecture={arch}",
+        "-std=c++17",
+        "--use_fast_math",        # exp2f/__expf and approximate division in the softmax
+        "--ptxas-options=-v",     # register / spill report in the log, checked by tests
+        f"-I{cuda_src_dir()}",
+        f"-I{cuda_include_dir()}",
+    ]
+
+
+def compile_cubin(source: str, variant: str, arch: str) -> CompileResult:
+    """Compile one translation unit to a cubin; raise CompileError with NVRTC's log."""
+    nvrtc = _nvrtc()
+    prog = _check(nvrtc.nvrtcCreateProgram(source.encode(), f"{variant}.cu".encode(), 0, [], []),
+                  "nvrtcCreateProgram")
+    try:
+        options = [o.encode() for o in compile_options(arch)]
+        (err,) = nvrtc.nvrtcCompileProgram(prog, len(options), options)
+        size = _check(nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
+        log_buf = b" " * size
+        _check(nvrtc.nvrtcGetProgramLog(prog, log_buf), "nvrtcGetProgramLog")
+        log = log_buf.rstrip(b"\0 ").decode(errors="replace")
+        if int(err) != 0:
+            raise CompileError(variant, arch, log)
+        size = _check(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
+        cubin = b" " * size
+        _check(nvrtc.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
+        return CompileResult(cubin=bytes(cubin), log=log)
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+
+
+_FUNC_RE = re.compile(r"Function properties for (\S+)")
+_FRAME_RE = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_ENTRY_RE = re.compile(r"Compiling entry function '(\S+)'")
+_REGS_RE = re.compile(r"Used (\d+) registers")
+
+
+def parse_ptxas_report(log: str) -> dict[str, Resources]:
+    """{kernel name: Resources} for every entry function in a ptxas -v report."""
+    out: dict[str, Resources] = {}
+    entry = func = None
+    frame = (0, 0, 0)
+    for line in log.splitlines():
+        if m := _ENTRY_RE.search(line):
+            entry, frame = m.group(1), (0, 0, 0)
+        elif m := _FUNC_RE.search(line):
+            func = m.group(1)
+        elif (m := _FRAME_RE.search(line)) and func == entry:
+            frame = tuple(int(g) for g in m.groups())
+        elif (m := _REGS_RE.search(line)) and entry:
+            out[entry] = Resources(int(m.group(1)), *frame)
+            entry = None
+    return out

@@ -1,0 +1,58 @@
+"""Kernel parameter structs: one NumPy structured dtype mirrors one C++ struct.
+
+A kernel takes a single ``Params`` argument by value instead of twenty positional
+scalars. Python describes the fields once; the generated entry point carries a
+``static_assert`` on the size and on every field offset, so a C++ struct that drifts
+from its Python mirror fails to compile instead of reading garbage.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+# Field kinds: C++ spelling and NumPy type. Pointers travel as 64-bit integers.
+_KINDS = {
+    "ptr": ("const void*", np.uint64),
+    "i32": ("int", np.int32),
+    "i64": ("long long", np.int64),
+    "f32": ("float", np.float32),
+}
+
+
+class ParamsStruct:
+    """A C++ parameter struct (declared in a header under cuda_src/) and its NumPy mirror."""
+
+    def __init__(self, cpp_name: str, fields: list[tuple[str, str]]):
+        self.cpp_name = cpp_name
+        self.fields = tuple(fields)
+        self.dtype = np.dtype([(n, _KINDS[k][1]) for n, k in fields], align=True)
+        self._names = tuple(n for n, _ in fields)
+
+    def pack(self, **values) -> np.void:
+        """One structured scalar holding every field (all must be given)."""
+        if values.keys() != set(self._names):
+            missing = set(self._names) - values.keys()
+            extra = values.keys() - set(self._names)
+            raise KeyError(f"{self.cpp_name}: missing {sorted(missing)}, unknown {sorted(extra)}")
+        return np.array(tuple(values[n] for n in self._names), dtype=self.dtype)[()]
+
+    def layout_asserts(self) -> str:
+        """C++ static_asserts that the struct's size and every field's size match this dtype.
+
+        NVRTC has no constant-expression offsetof, so the field order is checked by a
+        test instead (tests/test_jit.py compiles a probe and reads the offsets back).
+        """
+        lines = [f"static_assert(sizeof({self.cpp_name}) == {self.dtype.itemsize}, "
+                 f"\"{self.cpp_name}: size differs from its Python mirror\");"]
+        for name in self._names:
+            size = self.dtype.fields[name][0].itemsize
+            lines.append(f"static_assert(sizeof({self.cpp_name}::{name}) == {size}, "
+                         f"\"{self.cpp_name}.{name}: size differs from its Python mirror\");")
+        return "\n".join(lines)
+
+    def offsets(self) -> dict[str, int]:
+        return {name: self.dtype.fields[name][1] for name in self._names}
+
+    def cpp_declaration(self) -> str:
+        """The struct as C++ would declare it (documentation and tests)."""
+        body = "\n".join(f"  {_KINDS[k][0]} {n};" for n, k in self.fields)
+        return f"struct {self.cpp_name} {{\n{body}\n}};"

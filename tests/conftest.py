@@ -1,0 +1,42 @@
+"""Test configuration: GPU tests carry the ``gpu`` marker and skip cleanly without a device."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+
+def _gpu_available() -> bool:
+    try:
+        import cupy
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+HAS_GPU = _gpu_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_GPU:
+        return
+    skip = pytest.mark.skip(reason="no CUDA device on this machine")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache(tmp_path_factory, monkeypatch):
+    """Every test compiles into a per-session cache directory, never the user's own."""
+    if "CUATTN_CACHE_DIR" not in os.environ or not os.environ.get("CUATTN_TEST_KEEP_CACHE"):
+        monkeypatch.setenv("CUATTN_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "cache"))
+
+
+@pytest.fixture
+def rng(request):
+    """Fresh random data every run; the seed is printed so a failure can be replayed."""
+    import numpy as np
+    seed = int(os.environ.get("CUATTN_TEST_SEED", np.random.SeedSequence().entropy % 2**32))
+    print(f"\n[seed] {request.node.nodeid}: CUATTN_TEST_SEED={seed}")
+    return np.random.default_rng(seed)
