@@ -10,7 +10,6 @@ recompiled; an unwritable directory degrades to compiling in memory, with one wa
 """
 from __future__ import annotations
 
-import functools
 import hashlib
 import os
 import re
@@ -92,8 +91,14 @@ def _read_entry(path: Path) -> bytes | None:
     return data if looks_complete(data) else None
 
 
-@functools.cache
+_warned: set[str] = set()
+
+
 def _warn_unwritable(directory: str, reason: str) -> None:
+    """One warning per directory and process."""
+    if directory in _warned:
+        return
+    _warned.add(directory)
     warnings.warn(f"cuattn: kernel cache {directory} is not writable ({reason}); "
                   "compiled kernels are kept in memory for this process only. "
                   "Set CUATTN_CACHE_DIR to a writable directory.", RuntimeWarning, stacklevel=3)

@@ -93,6 +93,15 @@ def compile_options(arch: str) -> list[str]:
 
 def compile_cubin(source: str, variant: str, arch: str) -> CompileResult:
     """Compile one translation unit to a cubin; raise CompileError with NVRTC's log."""
+    return _compile(source, variant, arch, ptx=False)
+
+
+def compile_ptx(source: str, variant: str, arch: str) -> str:
+    """PTX of one translation unit (tests read constants back from it)."""
+    return _compile(source, variant, arch.replace("sm_", "compute_"), ptx=True).cubin.decode()
+
+
+def _compile(source: str, variant: str, arch: str, ptx: bool) -> CompileResult:
     nvrtc = _nvrtc()
     prog = _check(nvrtc.nvrtcCreateProgram(source.encode(), f"{variant}.cu".encode(), 0, [], []),
                   "nvrtcCreateProgram")
@@ -105,10 +114,12 @@ def compile_cubin(source: str, variant: str, arch: str) -> CompileResult:
         log = log_buf.rstrip(b"\0 ").decode(errors="replace")
         if int(err) != 0:
             raise CompileError(variant, arch, log)
-        size = _check(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
-        cubin = b" " * size
-        _check(nvrtc.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
-        return CompileResult(cubin=bytes(cubin), log=log)
+        get_size, get = ((nvrtc.nvrtcGetPTXSize, nvrtc.nvrtcGetPTX) if ptx else
+                         (nvrtc.nvrtcGetCUBINSize, nvrtc.nvrtcGetCUBIN))
+        size = _check(get_size(prog), get_size.__name__)
+        binary = b" " * size
+        _check(get(prog, binary), get.__name__)
+        return CompileResult(cubin=bytes(binary).rstrip(b"\0") if ptx else bytes(binary), log=log)
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
 

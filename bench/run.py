@@ -1,0 +1,94 @@
+"""cuattn benchmarks: ``python bench/run.py [--suite merge flash decode] [--json F] [--plot F.png]``.
+
+Prints one Markdown table per suite, each kernel beside its peers measured in the same
+run and against the device's own ceilings (copy and read bandwidth, bf16 matmul rate),
+also measured in this run. Without a GPU it says so and precompiles the shipped kernels
+for ``--arch`` (default sm_90) instead, which is all such a machine can do.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+SUITES = {"merge": "bench.suite_merge", "flash": "bench.suite_flash",
+          "decode": "bench.suite_decode"}
+
+
+def _has_gpu() -> bool:
+    try:
+        import cupy
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+def _available_suites() -> list[str]:
+    here = Path(__file__).resolve().parent
+    return [s for s, mod in SUITES.items() if (here / (mod.split(".")[1] + ".py")).exists()]
+
+
+def _plot(results: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    suites = [s for s in results["suites"] if results["suites"][s]]
+    fig, axes = plt.subplots(len(suites), 1, figsize=(10, 3.5 * len(suites)), squeeze=False)
+    for ax, suite in zip(axes[:, 0], suites):
+        rows = results["suites"][suite]
+        label_key = next(iter(rows[0]))
+        metric = next((k for k in rows[0] if k.startswith("%")), None)
+        if metric is None:
+            continue
+        ax.bar(range(len(rows)), [r[metric] for r in rows])
+        ax.set_xticks(range(len(rows)), [str(r[label_key]) for r in rows], rotation=30,
+                      ha="right", fontsize=7)
+        ax.set_ylabel(metric)
+        ax.set_title(f"{suite} ({results['ceilings']['device']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--suite", nargs="+", default=None,
+                        help=f"suites to run (default: all of {_available_suites()})")
+    parser.add_argument("--quick", action="store_true", help="a few configurations per suite")
+    parser.add_argument("--json", help="write all results to this file")
+    parser.add_argument("--plot", help="draw a PNG chart of the results")
+    parser.add_argument("--arch", default="sm_90", help="without a GPU: precompile for this")
+    args = parser.parse_args(argv)
+
+    if not _has_gpu():
+        print("bench: no CUDA device on this machine, so nothing can be timed.\n"
+              f"Precompiling the shipped kernels for {args.arch} instead "
+              "(python -m cuattn precompile --arch ...).", flush=True)
+        from cuattn.__main__ import main as cli
+        return cli(["precompile", "--arch", args.arch])
+
+    from bench.harness import format_table, measure_ceilings
+    suites = args.suite or _available_suites()
+    unknown = [s for s in suites if s not in _available_suites()]
+    if unknown:
+        parser.error(f"--suite: unknown or missing {unknown}; available {_available_suites()}")
+    ceilings = measure_ceilings(quick=args.quick)
+    print(format_table([ceilings.row()], "ceilings (measured now)"), flush=True)
+    results = {"ceilings": ceilings.row(), "suites": {}}
+    for suite in suites:
+        rows = importlib.import_module(SUITES[suite]).run(ceilings, args.quick)
+        results["suites"][suite] = rows
+        print(format_table(rows, suite), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    if args.plot:
+        _plot(results, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

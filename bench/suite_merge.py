@@ -1,0 +1,51 @@
+"""merge suite: merge_attn_states bandwidth against the device's copy bandwidth.
+
+Bytes = the two partial outputs and lses read + the output and lse written; the target
+(issue 2) is >= 90% of the device-to-device copy bandwidth at 16384 x 32 x 128 bf16.
+"""
+from __future__ import annotations
+
+import cupy
+import ml_dtypes
+import numpy as np
+
+import cuattn
+from bench.harness import median_ms
+
+CONFIGS = [  # (num_tokens, nheads, head_size)
+    (512, 32, 128), (4096, 32, 128), (16384, 32, 128), (16384, 8, 64), (16384, 16, 256),
+    (65536, 32, 128),
+]
+
+
+def _naive_merge(a, la, b, lb):
+    """The same formula in plain CuPy (several kernels, fp32 temporaries): the baseline."""
+    m = cupy.maximum(la, lb)
+    wa = cupy.exp(la - m).T[..., None]
+    wb = cupy.exp(lb - m).T[..., None]
+    out = ((a.astype(np.float32) * wa + b.astype(np.float32) * wb) / (wa + wb)).astype(a.dtype)
+    return out, m + cupy.log(cupy.exp(la - m) + cupy.exp(lb - m))
+
+
+def run(ceilings, quick: bool) -> list[dict]:
+    rows = []
+    configs = CONFIGS[1:3] if quick else CONFIGS
+    for t, h, d in configs:
+        dtype = ml_dtypes.bfloat16
+        a = cupy.random.standard_normal((t, h, d), dtype=np.float32).astype(dtype)
+        b = cupy.random.standard_normal((t, h, d), dtype=np.float32).astype(dtype)
+        la = cupy.random.standard_normal((h, t), dtype=np.float32)
+        lb = cupy.random.standard_normal((h, t), dtype=np.float32)
+        out = cupy.empty_like(a)
+        out_lse = cupy.empty_like(la)
+        nbytes = 3 * a.nbytes + 3 * la.nbytes
+        ms = median_ms(lambda: cuattn.merge_attn_states(a, la, b, lb, out=out, out_lse=out_lse))
+        naive = median_ms(lambda: _naive_merge(a, la, b, lb), n_repeat=20)
+        gbps = nbytes / ms / 1e6
+        rows.append({
+            "tokens x heads x dim": f"{t}x{h}x{d}", "MB moved": round(nbytes / 1e6),
+            "cuattn us": ms * 1e3, "cuattn GB/s": gbps,
+            "% copy BW": 100 * gbps / ceilings.copy_gbps,
+            "naive cupy us": naive * 1e3, "speedup vs naive": naive / ms,
+        })
+    return rows

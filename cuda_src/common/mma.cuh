@@ -1,0 +1,119 @@
+// Tensor-core and asynchronous-copy primitives for sm_80+ (Ampere, Ada, Hopper without
+// wgmma): mma.sync m16n8k16 with fp32 accumulators, ldmatrix (x4, .trans), cp.async with
+// zero fill, and the XOR swizzle that makes 16-byte-chunk tiles bank-conflict-free.
+// Fragment layouts are the PTX ISA's ("Matrix Fragments for mma.m16n8k16").
+#pragma once
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+namespace cuattn {
+
+// ---- 16-bit pairs ----------------------------------------------------------------------
+
+// Two floats -> one 32-bit register holding two T (low half = first), the A operand
+// layout of mma.sync.
+template <typename T> __device__ __forceinline__ uint32_t pack_pair(float lo, float hi);
+template <> __device__ __forceinline__ uint32_t pack_pair<__half>(float lo, float hi) {
+  __half2 h = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+template <> __device__ __forceinline__ uint32_t pack_pair<__nv_bfloat16>(float lo, float hi) {
+  __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+
+// ---- mma.sync.aligned.m16n8k16.row.col, fp32 accumulate --------------------------------
+// With g = lane / 4 and t = lane % 4:
+//   A (16x16, row-major): a[0] = (g, 2t..2t+1), a[1] = (g+8, 2t..), a[2] = (g, 2t+8..),
+//                         a[3] = (g+8, 2t+8..)
+//   B (16x8, "col" = stored N x K): b[0] = (k 2t..2t+1, n g), b[1] = (k 2t+8.., n g)
+//   C (16x8): c[0..1] = (g, 2t..2t+1), c[2..3] = (g+8, 2t..2t+1)
+template <typename T> struct MmaOp;
+template <> struct MmaOp<__half> {
+  static __device__ __forceinline__ void run(float (&c)[4], const uint32_t (&a)[4],
+                                             uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+};
+template <> struct MmaOp<__nv_bfloat16> {
+  static __device__ __forceinline__ void run(float (&c)[4], const uint32_t (&a)[4],
+                                             uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+};
+
+template <typename T>
+__device__ __forceinline__ void mma_m16n8k16(float (&c)[4], const uint32_t (&a)[4],
+                                             uint32_t b0, uint32_t b1) {
+  MmaOp<T>::run(c, a, b0, b1);
+}
+
+// ---- ldmatrix ---------------------------------------------------------------------------
+// x4: lane l gives the address of row (l % 8) of 8x8 matrix (l / 8); register i receives
+// matrix i with thread l holding row l / 4, elements 2 (l % 4) and 2 (l % 4) + 1.
+// .trans delivers the transpose: thread l holds column l / 4, rows 2 (l % 4), +1.
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// ---- cp.async (global -> shared, 16 bytes, L2 only) ---------------------------------------
+// src_bytes < 16 fills the rest of the 16 bytes with zeros (0 = a pure zero fill; the
+// source address must still be a valid one).
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+               :: "r"(dst), "l"(src), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::);
+}
+// Wait until at most N committed groups of this thread are still in flight.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" :: "n"(N));
+}
+
+// ---- swizzle -----------------------------------------------------------------------------
+// A tile of rows of CHUNKS 16-byte chunks. ldmatrix reads one chunk column of 8
+// consecutive rows at once, cp.async writes 8 consecutive chunks per quarter warp; both
+// are conflict-free when the 8 chunks land in 8 different 16-byte bank groups.
+//   CHUNKS % 8 == 0 (rows of >= 128 bytes): chunk ^ (row % 8).
+//   CHUNKS % 8 == 4 (64, 192, 320 ... bytes): two rows share a 128-byte line in
+//   alternating halves; chunk ^ ((row / 2) % 4) within each group of four chunks.
+template <int CHUNKS>
+__device__ __forceinline__ int swizzle_chunk(int row, int chunk) {
+  static_assert(CHUNKS % 4 == 0, "swizzled rows must hold a multiple of 4 chunks (64 bytes)");
+  if constexpr (CHUNKS % 8 == 0) {
+    return chunk ^ (row & 7);
+  } else {
+    return chunk ^ ((row >> 1) & 3);
+  }
+}
+
+// Byte offset of (row, chunk) in a swizzled tile.
+template <int CHUNKS>
+__device__ __forceinline__ uint32_t swizzled_offset(int row, int chunk) {
+  return static_cast<uint32_t>((row * CHUNKS + swizzle_chunk<CHUNKS>(row, chunk)) * 16);
+}
+
+}  // namespace cuattn

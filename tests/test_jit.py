@@ -1,0 +1,256 @@
+"""The run-time compiler and its cache (CPU only: NVRTC needs no GPU when the arch is named)."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+
+import pytest
+
+import cuattn
+from cuattn import variants
+from cuattn.jit import CompileError, Variant, cache, compile_variant, compiler
+from cuattn.jit.compiler import compile_ptx, parse_ptxas_report
+from cuattn.merge import MergeVariant
+
+REPO = Path(__file__).resolve().parent.parent
+KEY = MergeVariant("bf16", 128, stacked=False)
+
+
+def _all_variant_classes():
+    variants.shipped()   # imports every op module
+    pending, seen = list(Variant.__subclasses__()), []
+    while pending:
+        cls = pending.pop()
+        seen.append(cls)
+        pending += cls.__subclasses__()
+    return sorted(seen, key=lambda c: c.__name__)
+
+
+def test_names_are_readable_symbols():
+    assert KEY.name == "cuattn_merge__bf16_hd128_pair_t256"
+    names = [v.name for v in variants.shipped()]
+    assert len(names) == len(set(names)), "two shipped variants share a symbol"
+    for name in names:
+        assert re.fullmatch(r"cuattn_[a-z0-9_]+__[a-z0-9_]+", name), name
+
+
+@pytest.mark.parametrize("cls", _all_variant_classes(), ids=lambda c: c.__name__)
+def test_params_struct_layout_matches_cpp(cls):
+    """Offsets of the NumPy mirror equal the C++ struct's, read back from compiled PTX."""
+    params = cls.params
+    fields = list(params.offsets())
+    writes = "\n".join(
+        f"  o[{i + 1}] = (unsigned long long)&(((cuattn::{params.cpp_name}*)0)->{f});"
+        for i, f in enumerate(fields))
+    src = (f'#include "{cls.header}"\nextern "C" __global__ void probe(unsigned long long* o) {{\n'
+           f"  o[0] = sizeof(cuattn::{params.cpp_name});\n{writes}\n}}\n")
+    ptx = compile_ptx(src, "probe", "sm_90")
+    regs = dict(re.findall(r"mov\.u64\s+(%rd\d+),\s*(\d+);", ptx))
+    got = {}
+    for off, val in re.findall(r"st\.global\.u64\s+\[%rd\d+(?:\+(\d+))?\],\s*(%rd\d+|\d+);", ptx):
+        got[int(off or 0) // 8] = int(regs.get(val, val))
+    assert got.get(0) == params.dtype.itemsize, f"sizeof({params.cpp_name})"
+    for i, f in enumerate(fields):
+        assert got.get(i + 1, 0) == params.offsets()[f], f"{params.cpp_name}.{f}"
+
+
+@pytest.mark.slow
+def test_every_shipped_variant_compiles_for_sm90_without_spills():
+    from concurrent.futures import ThreadPoolExecutor
+    todo = variants.shipped()
+    with ThreadPoolExecutor(os.cpu_count() or 2) as pool:
+        results = list(pool.map(lambda v: (v, compile_variant(v, "sm_90")), todo))
+    for v, res in results:
+        report = res.resources()
+        assert v.name in report, f"no ptxas report for {v.name}"
+        r = report[v.name]
+        assert (r.spill_stores, r.spill_loads, r.stack_bytes) == (0, 0, 0), f"{v.name}: {r}"
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_86", "sm_89"])
+def test_representative_variants_compile_for_older_archs(arch):
+    by_op: dict[str, list] = {}
+    for v in variants.shipped():
+        by_op.setdefault(v.op, []).append(v)
+    for op, vs in by_op.items():
+        for v in (vs[0], vs[-1]):
+            r = compile_variant(v, arch).resources()[v.name]
+            assert (r.spill_stores, r.spill_loads) == (0, 0), f"{v.name} on {arch}: {r}"
+
+
+def test_compile_error_carries_name_and_log():
+    with pytest.raises(CompileError) as err:
+        compiler.compile_cubin("this is not C++", "cuattn_broken__x", "sm_90")
+    assert "cuattn_broken__x" in str(err.value) and "error" in err.value.log
+
+
+def test_ptxas_report_parser():
+    log = textwrap.dedent("""\
+        ptxas info    : Compiling entry function 'k1' for 'sm_90'
+        ptxas info    : Function properties for k1
+            16 bytes stack frame, 8 bytes spill stores, 4 bytes spill loads
+        ptxas info    : Used 255 registers, used 1 barriers
+        ptxas info    : Compiling entry function 'k2' for 'sm_90'
+        ptxas info    : Function properties for k2
+            0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+        ptxas info    : Used 40 registers""")
+    r = parse_ptxas_report(log)
+    assert r["k1"].registers == 255 and r["k1"].spill_stores == 8 and r["k1"].stack_bytes == 16
+    assert r["k2"].registers == 40 and r["k2"].spill_loads == 0
+
+
+# -- the disk cache -------------------------------------------------------------------------
+
+def test_cache_hit_compiles_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUATTN_CACHE_DIR", str(tmp_path))
+    cubin1, compiled1 = cache.get_cubin(KEY.name, KEY.source(), "sm_90")
+    cubin2, compiled2 = cache.get_cubin(KEY.name, KEY.source(), "sm_90")
+    assert compiled1 and not compiled2 and cubin1 == cubin2
+    (entry,) = cache.entries()
+    assert entry.parent.name == "sm_90" and entry.name.startswith(KEY.name + "-")
+    assert cache.looks_complete(entry.read_bytes())
+
+
+def _build_in_subprocess(cache_dir: Path) -> subprocess.CompletedProcess:
+    code = ("from cuattn.merge import MergeVariant; from cuattn.jit import build; "
+            "print('compiled' if build(MergeVariant('bf16', 128, stacked=False), 'sm_90') "
+            "else 'cached')")
+    env = dict(os.environ, CUATTN_CACHE_DIR=str(cache_dir), PYTHONPATH=str(REPO))
+    return subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def test_second_process_compiles_nothing(tmp_path):
+    first = _build_in_subprocess(tmp_path).communicate()
+    second = _build_in_subprocess(tmp_path).communicate()
+    assert first[0].strip() == "compiled", first[1]
+    assert second[0].strip() == "cached", second[1]
+
+
+def test_concurrent_processes_compile_once_and_all_succeed(tmp_path):
+    procs = [_build_in_subprocess(tmp_path) for _ in range(4)]
+    outs = [p.communicate() + (p.returncode,) for p in procs]
+    assert all(rc == 0 for _, _, rc in outs), outs
+    assert sorted(o.strip() for o, _, _ in outs).count("compiled") == 1, outs
+    entries = list((tmp_path / "sm_90").glob("*.cubin"))
+    assert len(entries) == 1 and cache.looks_complete(entries[0].read_bytes())
+    assert not list(tmp_path.rglob("*.tmp"))
+
+
+def test_editing_an_included_header_changes_the_key(tmp_path, monkeypatch):
+    import shutil
+    src = tmp_path / "cuda_src"
+    shutil.copytree(compiler.cuda_src_dir(), src)
+    monkeypatch.setattr(compiler, "cuda_src_dir", lambda: src)
+    before = cache.digest(KEY.source(), "sm_90")
+    header = src / "common" / "softmax.cuh"   # included by merge_attn_states.cuh
+    header.write_text(header.read_text() + "\n// an edit\n")
+    assert cache.digest(KEY.source(), "sm_90") != before
+    assert src / "common" / "softmax.cuh" in cache.included_files(KEY.source())
+    assert cache.digest(KEY.source(), "sm_80") != cache.digest(KEY.source(), "sm_90")
+
+
+@pytest.mark.parametrize("damage", ["truncate", "empty", "garbage"])
+def test_corrupt_entry_is_rebuilt(tmp_path, monkeypatch, damage):
+    monkeypatch.setenv("CUATTN_CACHE_DIR", str(tmp_path))
+    good, _ = cache.get_cubin(KEY.name, KEY.source(), "sm_90")
+    (entry,) = cache.entries()
+    entry.write_bytes({"truncate": good[: len(good) // 2], "empty": b"",
+                       "garbage": b"\x7fELF" + os.urandom(200)}[damage])
+    cubin, compiled = cache.get_cubin(KEY.name, KEY.source(), "sm_90")
+    assert compiled and cubin == good and entry.read_bytes() == good
+
+
+def test_unwritable_cache_dir_falls_back_to_memory_with_one_warning(tmp_path, monkeypatch):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("CUATTN_CACHE_DIR", str(blocker / "cache"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cubin1, _ = cache.get_cubin(KEY.name, KEY.source(), "sm_90")
+        cubin2, _ = cache.get_cubin(MergeVariant("f16", 64, True).name,
+                                    MergeVariant("f16", 64, True).source(), "sm_90")
+    assert cache.looks_complete(cubin1) and cache.looks_complete(cubin2)
+    msgs = [str(w.message) for w in caught if "not writable" in str(w.message)]
+    assert len(msgs) == 1, msgs
+
+
+def test_cache_clear(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUATTN_CACHE_DIR", str(tmp_path))
+    cache.get_cubin(KEY.name, KEY.source(), "sm_90")
+    assert cache.clear() == 1 and cache.entries() == []
+
+
+# -- command line -----------------------------------------------------------------------------
+
+def _cli(*args, cache_dir):
+    env = dict(os.environ, CUATTN_CACHE_DIR=str(cache_dir), PYTHONPATH=str(REPO))
+    return subprocess.run([sys.executable, "-m", "cuattn", *args], env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_cli_precompile_info_clear(tmp_path):
+    r = _cli("precompile", "--arch", "sm_90", "--ops", "merge", "-q", cache_dir=tmp_path)
+    assert r.returncode == 0, r.stderr
+    n = len(variants.shipped(["merge"]))
+    assert f"{n} variants, {n} compiled" in r.stdout
+    r = _cli("info", cache_dir=tmp_path)
+    assert r.returncode == 0 and f"({n} kernels" in r.stdout and "sm_90" in r.stdout
+    r = _cli("cache", "clear", cache_dir=tmp_path)
+    assert r.returncode == 0 and f"removed {n}" in r.stdout
+
+
+def test_cli_precompile_without_gpu_needs_arch(tmp_path):
+    from tests.conftest import HAS_GPU
+    if HAS_GPU:
+        pytest.skip("this machine has a GPU, so --arch is optional here")
+    r = _cli("precompile", cache_dir=tmp_path)
+    assert r.returncode == 2 and "--arch" in r.stderr
+
+
+def test_cli_unknown_op(tmp_path):
+    r = _cli("precompile", "--arch", "sm_90", "--ops", "nope", cache_dir=tmp_path)
+    assert r.returncode != 0 and "nope" in r.stderr
+
+
+# -- packaging --------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_installed_wheel_finds_its_kernel_sources(tmp_path):
+    """Build the wheel, install it into a fresh venv outside the repo, compile from there."""
+    wheel_dir = tmp_path / "wheel"
+    r = subprocess.run([sys.executable, "-m", "build", "--wheel", "--outdir", str(wheel_dir),
+                        str(REPO)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    (wheel,) = wheel_dir.glob("cuattn-*.whl")
+    venv = tmp_path / "venv"
+    # Dependencies (cupy, NVRTC) come from this interpreter's site-packages; the venv's own
+    # site-packages comes first on sys.path, so the wheel, not this checkout, provides cuattn.
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages",
+                    str(venv)], check=True)
+    py = venv / "bin" / "python"
+    venv_site = Path(subprocess.check_output(
+        [py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], text=True).strip())
+    import zipfile
+    with zipfile.ZipFile(wheel) as zf:
+        names = zf.namelist()
+        assert "cuattn/cuda_src/merge_attn_states.cuh" in names
+        assert "cuattn/cuda_src/common/types.cuh" in names
+    r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
+                        "--target", str(venv_site), str(wheel)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    code = ("import cuattn, cuattn.jit as jit; from cuattn.merge import MergeVariant; "
+            "src = jit.compiler.cuda_src_dir(); print(cuattn.__file__); print(src); "
+            "r = jit.compile_variant(MergeVariant('f16', 64, True), 'sm_90'); "
+            "print(len(r.cubin))")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    r = subprocess.run([py, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    mod_file, src_dir, size = r.stdout.split()
+    assert mod_file.startswith(str(venv_site)) and src_dir.startswith(str(venv_site))
+    assert int(size) > 1000
