@@ -100,6 +100,9 @@ def _launch(variant, device_id, stream, out, out_lse, rows, **fields):
                          out_stride_token=o_tok, out_stride_head=o_head,
                          lse_stride_head=l_head, lse_stride_token=l_tok, **fields)
     vecs = rows * variant.head_size // 8
+    if vecs >= 2**31:
+        raise ValueError(f"out: {rows} rows of {variant.head_size} is too large for one merge "
+                         "(at most 2^31 16-byte vectors); split the tokens")
     grid = ((vecs + variant.num_threads - 1) // variant.num_threads,)
     if grid[0]:
         kernel(grid, (variant.num_threads,), (params,), stream=stream)

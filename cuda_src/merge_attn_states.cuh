@@ -56,12 +56,13 @@ __device__ void merge_attn_states_kernel(const MergeParams& p) {
   constexpr int VECS_PER_ROW = HEAD_SIZE / VEC;
   static_assert(HEAD_SIZE % VEC == 0, "head size must be a multiple of one 16-byte vector");
 
-  const long long idx = (long long)blockIdx.x * NUM_THREADS + threadIdx.x;
-  const long long row = idx / VECS_PER_ROW;
-  const int vec = idx % VECS_PER_ROW;
-  if (row >= (long long)p.num_tokens * p.num_heads) return;
-  const long long token = row / p.num_heads;
-  const long long head = row % p.num_heads;
+  // 32-bit index math (the host guarantees num_tokens * num_heads * VECS_PER_ROW < 2^31).
+  const unsigned idx = blockIdx.x * NUM_THREADS + threadIdx.x;
+  const unsigned row = idx / VECS_PER_ROW;
+  const unsigned vec = idx % VECS_PER_ROW;
+  if (row >= unsigned(p.num_tokens) * unsigned(p.num_heads)) return;
+  const unsigned token = row / unsigned(p.num_heads);
+  const unsigned head = row - token * unsigned(p.num_heads);
   const int num_states = STACKED ? p.num_states : 2;
 
   // Phase 1: the largest lse over the states (empty states count as -inf).

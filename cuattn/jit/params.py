@@ -28,12 +28,12 @@ class ParamsStruct:
         self._names = tuple(n for n, _ in fields)
 
     def pack(self, **values) -> np.void:
-        """One structured scalar holding every field (all must be given)."""
-        if values.keys() != set(self._names):
-            missing = set(self._names) - values.keys()
-            extra = values.keys() - set(self._names)
-            raise KeyError(f"{self.cpp_name}: missing {sorted(missing)}, unknown {sorted(extra)}")
-        return np.array(tuple(values[n] for n in self._names), dtype=self.dtype)[()]
+        """One structured scalar holding every field (all must be given; ~1.5 us)."""
+        if len(values) != len(self._names):
+            unknown = sorted(values.keys() - set(self._names))
+            missing = sorted(set(self._names) - values.keys())
+            raise KeyError(f"{self.cpp_name}: missing fields {missing}, unknown {unknown}")
+        return np.array(tuple([values[n] for n in self._names]), dtype=self.dtype)[()]
 
     def layout_asserts(self) -> str:
         """C++ static_asserts that the struct's size and every field's size match this dtype.

@@ -5,22 +5,23 @@
 #pragma once
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
-#include <stdint.h>
 
 namespace cuattn {
+
+using u32 = unsigned int;   // NVRTC has no <stdint.h>
 
 // ---- 16-bit pairs ----------------------------------------------------------------------
 
 // Two floats -> one 32-bit register holding two T (low half = first), the A operand
 // layout of mma.sync.
-template <typename T> __device__ __forceinline__ uint32_t pack_pair(float lo, float hi);
-template <> __device__ __forceinline__ uint32_t pack_pair<__half>(float lo, float hi) {
+template <typename T> __device__ __forceinline__ u32 pack_pair(float lo, float hi);
+template <> __device__ __forceinline__ u32 pack_pair<__half>(float lo, float hi) {
   __half2 h = __floats2half2_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&h);
+  return *reinterpret_cast<u32*>(&h);
 }
-template <> __device__ __forceinline__ uint32_t pack_pair<__nv_bfloat16>(float lo, float hi) {
+template <> __device__ __forceinline__ u32 pack_pair<__nv_bfloat16>(float lo, float hi) {
   __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&h);
+  return *reinterpret_cast<u32*>(&h);
 }
 
 // ---- mma.sync.aligned.m16n8k16.row.col, fp32 accumulate --------------------------------
@@ -31,8 +32,8 @@ template <> __device__ __forceinline__ uint32_t pack_pair<__nv_bfloat16>(float l
 //   C (16x8): c[0..1] = (g, 2t..2t+1), c[2..3] = (g+8, 2t..2t+1)
 template <typename T> struct MmaOp;
 template <> struct MmaOp<__half> {
-  static __device__ __forceinline__ void run(float (&c)[4], const uint32_t (&a)[4],
-                                             uint32_t b0, uint32_t b1) {
+  static __device__ __forceinline__ void run(float (&c)[4], const u32 (&a)[4],
+                                             u32 b0, u32 b1) {
     asm volatile(
         "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
         "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
@@ -41,8 +42,8 @@ template <> struct MmaOp<__half> {
   }
 };
 template <> struct MmaOp<__nv_bfloat16> {
-  static __device__ __forceinline__ void run(float (&c)[4], const uint32_t (&a)[4],
-                                             uint32_t b0, uint32_t b1) {
+  static __device__ __forceinline__ void run(float (&c)[4], const u32 (&a)[4],
+                                             u32 b0, u32 b1) {
     asm volatile(
         "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
         "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
@@ -52,8 +53,8 @@ template <> struct MmaOp<__nv_bfloat16> {
 };
 
 template <typename T>
-__device__ __forceinline__ void mma_m16n8k16(float (&c)[4], const uint32_t (&a)[4],
-                                             uint32_t b0, uint32_t b1) {
+__device__ __forceinline__ void mma_m16n8k16(float (&c)[4], const u32 (&a)[4],
+                                             u32 b0, u32 b1) {
   MmaOp<T>::run(c, a, b0, b1);
 }
 
@@ -61,17 +62,17 @@ __device__ __forceinline__ void mma_m16n8k16(float (&c)[4], const uint32_t (&a)[
 // x4: lane l gives the address of row (l % 8) of 8x8 matrix (l / 8); register i receives
 // matrix i with thread l holding row l / 4, elements 2 (l % 4) and 2 (l % 4) + 1.
 // .trans delivers the transpose: thread l holds column l / 4, rows 2 (l % 4), +1.
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+  return static_cast<u32>(__cvta_generic_to_shared(p));
 }
 
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
+__device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], u32 addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(addr));
 }
 
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr) {
+__device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], u32 addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(addr));
@@ -80,7 +81,7 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t add
 // ---- cp.async (global -> shared, 16 bytes, L2 only) ---------------------------------------
 // src_bytes < 16 fills the rest of the 16 bytes with zeros (0 = a pure zero fill; the
 // source address must still be a valid one).
-__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, int src_bytes) {
+__device__ __forceinline__ void cp_async_16(u32 dst, const void* src, int src_bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
                :: "r"(dst), "l"(src), "r"(src_bytes));
 }
@@ -112,8 +113,31 @@ __device__ __forceinline__ int swizzle_chunk(int row, int chunk) {
 
 // Byte offset of (row, chunk) in a swizzled tile.
 template <int CHUNKS>
-__device__ __forceinline__ uint32_t swizzled_offset(int row, int chunk) {
-  return static_cast<uint32_t>((row * CHUNKS + swizzle_chunk<CHUNKS>(row, chunk)) * 16);
+__device__ __forceinline__ u32 swizzled_offset(int row, int chunk) {
+  return static_cast<u32>((row * CHUNKS + swizzle_chunk<CHUNKS>(row, chunk)) * 16);
 }
+
+// ldmatrix walks a fixed lane pattern over k/n steps: lane l reads row (row0 + l-fixed
+// part) and logical chunk 2 s + c(l) at step s. The swizzle XOR only touches the low
+// log2(PERIOD) bits of the chunk and depends on row % 8, which the step does not change,
+// so the physical chunk is (2 s) & ~(PERIOD - 1) plus one of PERIOD / 2 lane-dependent
+// values: precompute those (a few registers) instead of one address per step.
+template <int CHUNKS>
+struct SwizzledSteps {
+  static constexpr int PERIOD = CHUNKS % 8 == 0 ? 8 : 4;
+  static constexpr int N = PERIOD / 2;
+  u32 lane_off[N];   // byte offset of chunk (2 j + c) ^ swizzle, within its period
+
+  __device__ __forceinline__ SwizzledSteps(int row, int c) {
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      lane_off[j] = static_cast<u32>((swizzle_chunk<CHUNKS>(row, 2 * j + c) & (PERIOD - 1)) * 16);
+    }
+  }
+  // Byte offset of step s within a row (add row * CHUNKS * 16 for the row).
+  __device__ __forceinline__ u32 at(int s) const {
+    return static_cast<u32>(((2 * s) & ~(PERIOD - 1)) * 16) + lane_off[s % N];
+  }
+};
 
 }  // namespace cuattn

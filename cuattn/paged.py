@@ -1,0 +1,494 @@
+"""paged_attention / reshape_and_cache / paged_kv_cache_shapes: decode over a paged KV cache.
+
+Kernels: cuda_src/paged_attention.cuh (v1, v2 and the partition reduce) and
+cuda_src/reshape_and_cache.cuh. Layouts are vLLM's (DESIGN.md section 1):
+K cache (num_blocks, nheads_kv, head_size // x, block_size, x) with x = 16 // itemsize,
+V cache (num_blocks, nheads_kv, head_size, block_size).
+
+One thread block serves ``group`` query heads of one KV head (the largest divisor of the
+GQA ratio up to tuning.PAGED_MAX_GROUP), so each K/V byte leaves memory once per group.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+import cupy
+import numpy as np
+
+from . import _arrays as A
+from . import tuning
+from ._dtypes import BY_SHORT, FP8_E4M3, UINT8_E4M3, activation_dtype
+from .jit import ParamsStruct, Variant, get_kernel
+
+HEAD_SIZES = (64, 80, 96, 112, 120, 128, 192, 256)
+BLOCK_SIZES = (8, 16, 32)
+_LOG2E = 1.4426950408889634
+
+PARAMS = ParamsStruct("PagedParams", [
+    ("out", "ptr"), ("lse", "ptr"), ("tmp_out", "ptr"), ("tmp_lse", "ptr"), ("q", "ptr"),
+    ("k_cache", "ptr"), ("v_cache", "ptr"), ("block_tables", "ptr"), ("seq_lens", "ptr"),
+    ("alibi_slopes", "ptr"),
+    ("q_stride_seq", "i64"), ("q_stride_head", "i64"),
+    ("out_stride_seq", "i64"), ("out_stride_head", "i64"),
+    ("lse_stride_head", "i64"), ("lse_stride_seq", "i64"),
+    ("k_stride_block", "i64"), ("k_stride_head", "i64"), ("k_stride_x", "i64"),
+    ("k_stride_token", "i64"),
+    ("v_stride_block", "i64"), ("v_stride_head", "i64"), ("v_stride_dim", "i64"),
+    ("bt_stride_seq", "i64"),
+    ("scale_log2", "f32"), ("v_scale", "f32"),
+    ("num_seqs", "i32"), ("num_heads", "i32"), ("gqa_ratio", "i32"),
+    ("max_blocks_per_seq", "i32"), ("max_parts", "i32"), ("logits_stride", "i32"),
+])
+
+REDUCE_PARAMS = ParamsStruct("PagedReduceParams", [
+    ("out", "ptr"), ("lse", "ptr"), ("tmp_out", "ptr"), ("tmp_lse", "ptr"), ("seq_lens", "ptr"),
+    ("out_stride_seq", "i64"), ("out_stride_head", "i64"),
+    ("lse_stride_head", "i64"), ("lse_stride_seq", "i64"),
+    ("num_heads", "i32"), ("max_parts", "i32"), ("partition_size", "i32"),
+    ("max_seq_len", "i32"),
+])
+
+RESHAPE_PARAMS = ParamsStruct("ReshapeCacheParams", [
+    ("key", "ptr"), ("value", "ptr"), ("k_cache", "ptr"), ("v_cache", "ptr"),
+    ("slot_mapping", "ptr"),
+    ("key_stride_token", "i64"), ("key_stride_head", "i64"),
+    ("value_stride_token", "i64"), ("value_stride_head", "i64"),
+    ("k_stride_block", "i64"), ("k_stride_head", "i64"), ("k_stride_x", "i64"),
+    ("k_stride_token", "i64"),
+    ("v_stride_block", "i64"), ("v_stride_head", "i64"), ("v_stride_dim", "i64"),
+    ("k_scale", "f32"), ("v_scale", "f32"),
+    ("num_tokens", "i32"), ("num_kv_heads", "i32"), ("head_size", "i32"), ("block_size", "i32"),
+])
+
+
+# -- variants ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class PagedVariant(Variant):
+    dtype: str            # q / out: f16 / bf16
+    cache_dtype: str      # f16 / bf16 (same as dtype) or e4m3
+    head_size: int
+    block_size: int
+    group: int            # query heads per thread block (divides the GQA ratio)
+    partition_size: int   # 0 = v1 (whole sequence), else v2's partition in tokens
+    alibi: bool
+    num_threads: int = tuning.PAGED_NUM_THREADS
+
+    op: ClassVar[str] = "paged"
+    header: ClassVar[str] = "paged_attention.cuh"
+    kernel_template: ClassVar[str] = "paged_attention_kernel"
+    params: ClassVar[ParamsStruct] = PARAMS
+
+    def name_parts(self):
+        return (self.dtype, f"kv{self.cache_dtype}", f"hd{self.head_size}", f"bs{self.block_size}",
+                f"g{self.group}", f"p{self.partition_size}" if self.partition_size else "v1",
+                f"a{int(self.alibi)}", f"t{self.num_threads}")
+
+    def template_args(self):
+        return (BY_SHORT[self.dtype].cpp, BY_SHORT[self.cache_dtype].cpp, self.head_size,
+                self.block_size, self.group, self.partition_size, self.alibi, self.num_threads)
+
+    def logits_stride(self, max_context: int) -> int:
+        """Floats per head of the dynamic shared logits buffer (also holds the V slot sums)."""
+        tokens = self.partition_size or max_context
+        return max(-(-tokens // 4) * 4, self.num_threads)
+
+    @property
+    def dynamic_smem_bytes(self) -> int:
+        # v2: fixed. v1: set per call (paged_attention raises the limit itself).
+        return 4 * self.group * self.logits_stride(0) if self.partition_size else 0
+
+
+@dataclass(frozen=True)
+class PagedReduceVariant(Variant):
+    dtype: str
+    head_size: int
+    num_threads: int = tuning.PAGED_REDUCE_MIN_THREADS
+
+    op: ClassVar[str] = "paged_reduce"
+    header: ClassVar[str] = "paged_attention.cuh"
+    kernel_template: ClassVar[str] = "paged_attention_reduce_kernel"
+    params: ClassVar[ParamsStruct] = REDUCE_PARAMS
+
+    def name_parts(self):
+        return (self.dtype, f"hd{self.head_size}", f"t{self.num_threads}")
+
+    def template_args(self):
+        return (BY_SHORT[self.dtype].cpp, self.head_size, self.num_threads)
+
+
+@dataclass(frozen=True)
+class ReshapeCacheVariant(Variant):
+    dtype: str            # key / value
+    cache_dtype: str
+    slot64: bool          # slot_mapping int64 (else int32)
+    num_threads: int = tuning.RESHAPE_CACHE_NUM_THREADS
+
+    op: ClassVar[str] = "reshape_and_cache"
+    header: ClassVar[str] = "reshape_and_cache.cuh"
+    kernel_template: ClassVar[str] = "reshape_and_cache_kernel"
+    params: ClassVar[ParamsStruct] = RESHAPE_PARAMS
+
+    def name_parts(self):
+        return (self.dtype, f"kv{self.cache_dtype}", "s64" if self.slot64 else "s32",
+                f"t{self.num_threads}")
+
+    def template_args(self):
+        return (BY_SHORT[self.dtype].cpp, BY_SHORT[self.cache_dtype].cpp, self.slot64,
+                self.num_threads)
+
+
+def _reduce_threads(head_size: int) -> int:
+    return max(tuning.PAGED_REDUCE_MIN_THREADS, -(-head_size // 4 // 32) * 32)
+
+
+def shipped_variants() -> list[Variant]:
+    """bf16/f16 x tuned head sizes x block 16 x v1/v2 x common GQA groups, plus the reduce
+    and reshape_and_cache variants of those dtypes."""
+    out: list[Variant] = []
+    for dt in ("f16", "bf16"):
+        for hs in tuning.PAGED_SHIPPED_HEAD_SIZES:
+            for bs in tuning.PAGED_SHIPPED_BLOCK_SIZES:
+                for g in tuning.PAGED_SHIPPED_GROUPS:
+                    for ps in (0, 512):
+                        out.append(PagedVariant(dt, dt, hs, bs, g, ps, False))
+            out.append(PagedReduceVariant(dt, hs, _reduce_threads(hs)))
+        for slot64 in (False, True):
+            out.append(ReshapeCacheVariant(dt, dt, slot64))
+    return out
+
+
+# -- checks -----------------------------------------------------------------------------------
+
+def _cache_dtype(x: cupy.ndarray, name: str, q_dtype):
+    """Short name of a cache dtype: the activation dtype itself, or e4m3 (float8_e4m3fn/uint8)."""
+    if x.dtype == FP8_E4M3.numpy or x.dtype == UINT8_E4M3.numpy:
+        return "e4m3"
+    if x.dtype == q_dtype.numpy:
+        return q_dtype.short
+    raise TypeError(f"{name}: dtype {x.dtype} is not supported; expected the query's dtype "
+                    f"({q_dtype.numpy}), "
+                    "ml_dtypes.float8_e4m3fn or uint8 (fp8 e4m3)")
+
+
+def _check_scale(value, name: str) -> float:
+    try:
+        f = float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name}: expected a Python float, got {type(value).__name__}") from None
+    if not (math.isfinite(f) and f > 0):
+        raise ValueError(f"{name}: expected a positive finite float, got {value!r}")
+    return f
+
+
+def _check_caches(k_cache, v_cache, q_dtype, head_size=None):
+    """-> (k_cache, v_cache, cache short name, num_kv_heads, head_size, block_size)."""
+    k_cache = A.as_device_array(k_cache, "k_cache")
+    v_cache = A.as_device_array(v_cache, "v_cache")
+    kdoc = "(num_blocks, nheads_kv, head_size // x, block_size, x)"
+    vdoc = "(num_blocks, nheads_kv, head_size, block_size)"
+    A.check_ndim(k_cache, 5, "k_cache", kdoc)
+    A.check_ndim(v_cache, 4, "v_cache", vdoc)
+    cache = _cache_dtype(k_cache, "k_cache", q_dtype)
+    if v_cache.dtype != k_cache.dtype:
+        raise TypeError(f"v_cache: dtype {v_cache.dtype} differs from k_cache's {k_cache.dtype}")
+    x = 16 // k_cache.itemsize
+    num_blocks, nkv, ngroups, block_size, kx = k_cache.shape
+    if kx != x:
+        raise ValueError(f"k_cache: the last dimension must be x = 16 // itemsize = {x} "
+                         f"for {k_cache.dtype}, got shape {tuple(k_cache.shape)} {kdoc}")
+    hs = ngroups * x
+    if head_size is not None and hs != head_size:
+        raise ValueError(f"k_cache: head_size {hs} (= shape[2] * x) differs from the "
+                         f"query's {head_size}")
+    if hs not in HEAD_SIZES:
+        raise ValueError(f"k_cache: head_size {hs} is not supported; expected one of {HEAD_SIZES}")
+    if block_size not in BLOCK_SIZES:
+        raise ValueError(f"k_cache: block_size {block_size} is not supported; "
+                         f"expected one of {BLOCK_SIZES}")
+    A.check_shape(v_cache, (num_blocks, nkv, hs, block_size), "v_cache", vdoc)
+    A.check_last_dim_contiguous(k_cache, "k_cache")
+    A.check_last_dim_contiguous(v_cache, "v_cache")
+    A.check_aligned(k_cache, 16, "k_cache")
+    A.check_aligned(v_cache, min(16, block_size * v_cache.itemsize), "v_cache")
+    return k_cache, v_cache, cache, nkv, hs, block_size
+
+
+def paged_kv_cache_shapes(num_blocks: int, nheads_kv: int, head_size: int, block_size: int,
+                          dtype) -> tuple[tuple, tuple]:
+    """(k_cache_shape, v_cache_shape) of a paged cache of ``dtype`` elements.
+
+    K: (num_blocks, nheads_kv, head_size // x, block_size, x) with x = 16 // itemsize;
+    V: (num_blocks, nheads_kv, head_size, block_size).
+    """
+    dt = np.dtype(dtype)
+    if dt not in (np.dtype(np.float16), BY_SHORT["bf16"].numpy, FP8_E4M3.numpy, UINT8_E4M3.numpy):
+        raise TypeError(f"dtype: {dt} is not supported; expected float16, ml_dtypes.bfloat16, "
+                        "ml_dtypes.float8_e4m3fn or uint8")
+    for name, v in (("num_blocks", num_blocks), ("nheads_kv", nheads_kv)):
+        if not isinstance(v, (int, np.integer)) or v < 0:
+            raise ValueError(f"{name}: expected a non-negative int, got {v!r}")
+    if head_size not in HEAD_SIZES:
+        raise ValueError(f"head_size: {head_size} is not supported; expected one of {HEAD_SIZES}")
+    if block_size not in BLOCK_SIZES:
+        raise ValueError(f"block_size: {block_size} is not supported; expected one of {BLOCK_SIZES}")
+    x = 16 // dt.itemsize
+    if head_size % x:
+        raise ValueError(f"head_size: {head_size} is not a multiple of x = {x} "
+                         f"(16-byte vectors of {dt})")
+    return ((int(num_blocks), int(nheads_kv), head_size // x, block_size, x),
+            (int(num_blocks), int(nheads_kv), head_size, block_size))
+
+
+# -- per-device facts (cached: the hot path is dictionary hits) -------------------------------
+
+_num_sms: dict[int, int] = {}
+_v1_smem_limit: dict[tuple[int, PagedVariant], int] = {}
+
+
+def _sm_count(device_id: int) -> int:
+    n = _num_sms.get(device_id)
+    if n is None:
+        n = _num_sms[device_id] = cupy.cuda.Device(device_id).attributes["MultiProcessorCount"]
+    return n
+
+
+def _v1_kernel(key: PagedVariant, device_id: int):
+    """The v1 kernel with its dynamic shared memory limit raised to the device's maximum."""
+    kernel = get_kernel(key, device_id)
+    limit = _v1_smem_limit.get((device_id, key))
+    if limit is None:
+        drv = cupy.cuda.driver
+        with cupy.cuda.Device(device_id):
+            optin = cupy.cuda.Device(device_id).attributes["MaxSharedMemoryPerBlockOptin"]
+            static = drv.funcGetAttribute(drv.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, kernel.ptr)
+            limit = optin - static
+            drv.funcSetAttribute(kernel.ptr, drv.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                 limit)
+        _v1_smem_limit[(device_id, key)] = limit
+    return kernel, limit
+
+
+def _v1_fits(key: PagedVariant, device_id: int, max_context: int) -> tuple[bool, int, int]:
+    _, limit = _v1_kernel(key, device_id)
+    need = 4 * key.group * key.logits_stride(max_context)
+    return need <= limit, need, limit
+
+
+# -- paged_attention --------------------------------------------------------------------------
+
+def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, *, softmax_scale=None,
+                    k_scale=1.0, v_scale=1.0, alibi_slopes=None, version="auto",
+                    partition_size=512, return_lse=False, out=None, stream=None):
+    """Decode attention of one query token per sequence over a paged KV cache.
+
+    q: (num_seqs, nheads, head_size) float16 / bfloat16.
+    k_cache: (num_blocks, nheads_kv, head_size // x, block_size, x), x = 16 // itemsize.
+    v_cache: (num_blocks, nheads_kv, head_size, block_size). Same dtype as q, or fp8 e4m3
+        (ml_dtypes.float8_e4m3fn or uint8) dequantised as value * k_scale / v_scale (the
+        scales are ignored for 16-bit caches, as in vLLM).
+    block_tables: int32 (num_seqs, max_blocks_per_seq); seq_lens: int32 (num_seqs,). A
+        sequence longer than max_blocks_per_seq * block_size is clamped to that.
+    alibi_slopes: float32 (nheads,) or None; bias slope * (j - seq_len + 1) on key j.
+    version: "v1", "v2" or "auto"; partition_size: v2's tokens per thread block.
+    Returns out (like q), or (out, lse) with lse float32 (nheads, num_seqs), natural log,
+    -inf for an empty sequence: the layout cuattn.merge_attn_states takes.
+    """
+    q = A.as_device_array(q, "q")
+    A.check_ndim(q, 3, "q", "(num_seqs, nheads, head_size)")
+    dtype = activation_dtype(q.dtype, "q")
+    num_seqs, num_heads, head_size = q.shape
+    if head_size not in HEAD_SIZES:
+        raise ValueError(f"q: head_size {head_size} is not supported; expected one of {HEAD_SIZES}")
+    A.check_last_dim_contiguous(q, "q")
+    k_cache, v_cache, cache, num_kv_heads, _, block_size = _check_caches(
+        k_cache, v_cache, dtype, head_size)
+    if num_kv_heads == 0 or num_heads % num_kv_heads:
+        raise ValueError(f"q: nheads {num_heads} is not a multiple of the caches' nheads_kv "
+                         f"{num_kv_heads}")
+    block_tables = A.as_device_array(block_tables, "block_tables")
+    A.check_ndim(block_tables, 2, "block_tables", "(num_seqs, max_blocks_per_seq)")
+    A.check_dtype(block_tables, np.int32, "block_tables")
+    if block_tables.shape[0] != num_seqs:
+        raise ValueError(f"block_tables: expected {num_seqs} rows (num_seqs), got shape "
+                         f"{tuple(block_tables.shape)}")
+    A.check_last_dim_contiguous(block_tables, "block_tables")
+    seq_lens = A.as_device_array(seq_lens, "seq_lens")
+    A.check_dtype(seq_lens, np.int32, "seq_lens")
+    A.check_shape(seq_lens, (num_seqs,), "seq_lens", "(num_seqs,)")
+    A.check_last_dim_contiguous(seq_lens, "seq_lens")
+    if alibi_slopes is not None:
+        alibi_slopes = A.as_device_array(alibi_slopes, "alibi_slopes")
+        A.check_dtype(alibi_slopes, np.float32, "alibi_slopes")
+        A.check_shape(alibi_slopes, (num_heads,), "alibi_slopes", "(nheads,)")
+        A.check_last_dim_contiguous(alibi_slopes, "alibi_slopes")
+    if version not in ("auto", "v1", "v2"):
+        raise ValueError(f"version: expected 'auto', 'v1' or 'v2', got {version!r}")
+    if partition_size not in tuning.PAGED_PARTITION_SIZES:
+        raise ValueError(f"partition_size: expected one of {tuning.PAGED_PARTITION_SIZES}, "
+                         f"got {partition_size!r}")
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(head_size)
+    softmax_scale = float(softmax_scale)
+    if not math.isfinite(softmax_scale):
+        raise ValueError(f"softmax_scale: expected a finite float, got {softmax_scale!r}")
+    k_scale = _check_scale(k_scale, "k_scale")
+    v_scale = _check_scale(v_scale, "v_scale")
+    if cache != "e4m3":
+        k_scale = v_scale = 1.0
+    device_id = q.device.id
+    A.check_same_device({"k_cache": k_cache, "v_cache": v_cache, "block_tables": block_tables,
+                         "seq_lens": seq_lens, "alibi_slopes": alibi_slopes}, device_id)
+    stream = A.resolve_stream(stream)
+
+    gqa = num_heads // num_kv_heads
+    group = max(g for g in range(1, tuning.PAGED_MAX_GROUP + 1) if gqa % g == 0)
+    max_blocks = block_tables.shape[1]
+    max_context = max_blocks * block_size
+    alibi = alibi_slopes is not None
+
+    with cupy.cuda.Device(device_id):
+        if out is None:
+            out = cupy.empty(q.shape, dtype=q.dtype)
+        else:
+            out = A.as_device_array(out, "out")
+            A.check_shape(out, q.shape, "out", "(num_seqs, nheads, head_size)")
+            A.check_dtype(out, q.dtype, "out")
+            A.check_last_dim_contiguous(out, "out")
+            A.check_same_device({"out": out}, device_id)
+        lse = cupy.empty((num_heads, num_seqs), dtype=np.float32) if return_lse else None
+
+        v1_key = PagedVariant(dtype.short, cache, head_size, block_size, group, 0, alibi)
+        if version == "auto":
+            version = tuning.paged_version((num_heads // group) * num_seqs, max_context,
+                                           partition_size, _sm_count(device_id))
+            if version == "v1" and not _v1_fits(v1_key, device_id, max_context)[0]:
+                version = "v2"
+        elif version == "v1":
+            fits, need, limit = _v1_fits(v1_key, device_id, max_context)
+            if not fits:
+                raise ValueError(
+                    f"block_tables: v1 keeps the logits of a whole sequence in shared memory; "
+                    f"max_blocks_per_seq * block_size = {max_context} tokens x {group} heads "
+                    f"needs {need} bytes, more than this device's {limit}; use version='v2' "
+                    "or 'auto'")
+        if num_seqs == 0:
+            return (out, lse) if return_lse else out
+
+        common = dict(
+            q=q.data.ptr, k_cache=k_cache.data.ptr, v_cache=v_cache.data.ptr,
+            block_tables=block_tables.data.ptr, seq_lens=seq_lens.data.ptr,
+            alibi_slopes=alibi_slopes.data.ptr if alibi else 0,
+            q_stride_seq=q.strides[0] // q.itemsize, q_stride_head=q.strides[1] // q.itemsize,
+            k_stride_block=k_cache.strides[0] // k_cache.itemsize,
+            k_stride_head=k_cache.strides[1] // k_cache.itemsize,
+            k_stride_x=k_cache.strides[2] // k_cache.itemsize,
+            k_stride_token=k_cache.strides[3] // k_cache.itemsize,
+            v_stride_block=v_cache.strides[0] // v_cache.itemsize,
+            v_stride_head=v_cache.strides[1] // v_cache.itemsize,
+            v_stride_dim=v_cache.strides[2] // v_cache.itemsize,
+            bt_stride_seq=block_tables.strides[0] // 4,
+            scale_log2=softmax_scale * k_scale * _LOG2E, v_scale=v_scale,
+            num_seqs=num_seqs, num_heads=num_heads, gqa_ratio=gqa,
+            max_blocks_per_seq=max_blocks)
+        o_seq, o_head, _ = A.element_strides(out)
+        l_head, l_seq = (lse.strides[0] // 4, lse.strides[1] // 4) if return_lse else (0, 0)
+        grid_x = num_heads // group
+
+        if version == "v1":
+            kernel, _ = _v1_kernel(v1_key, device_id)
+            ls = v1_key.logits_stride(max_context)
+            params = PARAMS.pack(out=out.data.ptr, lse=lse.data.ptr if return_lse else 0,
+                                 tmp_out=0, tmp_lse=0, out_stride_seq=o_seq,
+                                 out_stride_head=o_head, lse_stride_head=l_head,
+                                 lse_stride_seq=l_seq, max_parts=1, logits_stride=ls, **common)
+            kernel((grid_x, num_seqs, 1), (v1_key.num_threads,), (params,),
+                   shared_mem=4 * group * ls, stream=stream)
+            return (out, lse) if return_lse else out
+
+        key = PagedVariant(dtype.short, cache, head_size, block_size, group, partition_size, alibi)
+        rkey = PagedReduceVariant(dtype.short, head_size, _reduce_threads(head_size))
+        kernel = get_kernel(key, device_id)
+        reduce = get_kernel(rkey, device_id)
+        max_parts = max(1, -(-max_context // partition_size))
+        tmp_out = cupy.empty((num_seqs, num_heads, max_parts, head_size), dtype=np.float32)
+        tmp_lse = cupy.empty((num_seqs, num_heads, max_parts), dtype=np.float32)
+        params = PARAMS.pack(out=0, lse=0, tmp_out=tmp_out.data.ptr, tmp_lse=tmp_lse.data.ptr,
+                             out_stride_seq=0, out_stride_head=0, lse_stride_head=0,
+                             lse_stride_seq=0, max_parts=max_parts,
+                             logits_stride=key.logits_stride(0), **common)
+        if max_context > 0:
+            kernel((grid_x, num_seqs, max_parts), (key.num_threads,), (params,),
+                   shared_mem=key.dynamic_smem_bytes, stream=stream)
+        rparams = REDUCE_PARAMS.pack(
+            out=out.data.ptr, lse=lse.data.ptr if return_lse else 0, tmp_out=tmp_out.data.ptr,
+            tmp_lse=tmp_lse.data.ptr, seq_lens=seq_lens.data.ptr, out_stride_seq=o_seq,
+            out_stride_head=o_head, lse_stride_head=l_head, lse_stride_seq=l_seq,
+            num_heads=num_heads, max_parts=max_parts, partition_size=partition_size,
+            max_seq_len=max_context)
+        reduce((num_heads, num_seqs), (rkey.num_threads,), (rparams,), stream=stream)
+    return (out, lse) if return_lse else out
+
+
+# -- reshape_and_cache ------------------------------------------------------------------------
+
+def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, *, k_scale=1.0, v_scale=1.0,
+                      stream=None):
+    """Write new tokens into the paged caches: token i goes to slot slot_mapping[i]
+    (= physical_block * block_size + offset); a negative slot is skipped.
+
+    key, value: (num_tokens, nheads_kv, head_size) float16 / bfloat16.
+    k_cache / v_cache: as for paged_attention, the same dtype as key, or fp8 e4m3 (then the
+    cache stores round-to-nearest(key / k_scale) and (value / v_scale)).
+    slot_mapping: int32 or int64 (num_tokens,).
+    """
+    key = A.as_device_array(key, "key")
+    value = A.as_device_array(value, "value")
+    doc = "(num_tokens, nheads_kv, head_size)"
+    A.check_ndim(key, 3, "key", doc)
+    dtype = activation_dtype(key.dtype, "key")
+    A.check_dtype(value, key.dtype, "value")
+    A.check_shape(value, key.shape, "value", doc)
+    num_tokens, nkv, head_size = key.shape
+    if head_size not in HEAD_SIZES:
+        raise ValueError(f"key: head_size {head_size} is not supported; expected one of {HEAD_SIZES}")
+    k_cache, v_cache, cache, cache_nkv, _, block_size = _check_caches(
+        k_cache, v_cache, dtype, head_size)
+    if cache_nkv != nkv:
+        raise ValueError(f"key: nheads_kv {nkv} differs from the caches' {cache_nkv}")
+    for name, x in (("key", key), ("value", value)):
+        A.check_last_dim_contiguous(x, name)
+        A.check_aligned(x, 16, name)
+    slot_mapping = A.as_device_array(slot_mapping, "slot_mapping")
+    if slot_mapping.dtype not in (np.dtype(np.int32), np.dtype(np.int64)):
+        raise TypeError(f"slot_mapping: expected dtype int32 or int64, got {slot_mapping.dtype}")
+    A.check_shape(slot_mapping, (num_tokens,), "slot_mapping", "(num_tokens,)")
+    A.check_last_dim_contiguous(slot_mapping, "slot_mapping")
+    k_scale = _check_scale(k_scale, "k_scale")
+    v_scale = _check_scale(v_scale, "v_scale")
+    device_id = key.device.id
+    A.check_same_device({"value": value, "k_cache": k_cache, "v_cache": v_cache,
+                         "slot_mapping": slot_mapping}, device_id)
+    stream = A.resolve_stream(stream)
+    if num_tokens == 0:
+        return
+    variant = ReshapeCacheVariant(dtype.short, cache, slot_mapping.dtype == np.int64)
+    with cupy.cuda.Device(device_id):
+        kernel = get_kernel(variant, device_id)
+        ks, vs = k_cache.strides, v_cache.strides
+        ci = k_cache.itemsize
+        params = RESHAPE_PARAMS.pack(
+            key=key.data.ptr, value=value.data.ptr, k_cache=k_cache.data.ptr,
+            v_cache=v_cache.data.ptr, slot_mapping=slot_mapping.data.ptr,
+            key_stride_token=key.strides[0] // key.itemsize,
+            key_stride_head=key.strides[1] // key.itemsize,
+            value_stride_token=value.strides[0] // value.itemsize,
+            value_stride_head=value.strides[1] // value.itemsize,
+            k_stride_block=ks[0] // ci, k_stride_head=ks[1] // ci, k_stride_x=ks[2] // ci,
+            k_stride_token=ks[3] // ci,
+            v_stride_block=vs[0] // ci, v_stride_head=vs[1] // ci, v_stride_dim=vs[2] // ci,
+            k_scale=k_scale, v_scale=v_scale, num_tokens=num_tokens, num_kv_heads=nkv,
+            head_size=head_size, block_size=block_size)
+        kernel((num_tokens,), (variant.num_threads,), (params,), stream=stream)

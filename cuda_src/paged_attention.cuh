@@ -1,0 +1,445 @@
+// Paged-attention decode: one query token per sequence attends to its keys and values held
+// in vLLM's paged KV cache (x-major K blocks, dim-major V blocks, a block table per sequence).
+// The split into v1 (whole sequence per thread block) and v2 (partitions + a reduce) follows
+// vLLM's paged_attention kernels; unlike them, one thread block serves every query head of a
+// KV-head group, so each K/V byte is read from memory once, whatever the GQA ratio.
+#pragma once
+#include "common/types.cuh"
+#include "common/softmax.cuh"
+
+namespace cuattn {
+
+// Mirrored by cuattn.paged.PARAMS (a static_assert in every entry point checks the layout).
+// Strides are in elements. X = 16 / sizeof(CACHE_T).
+struct PagedParams {
+  const void* out;           // [num_seqs, num_heads, HEAD_SIZE]                 T, written (v1)
+  const void* lse;           // [num_heads, num_seqs]                            float, written (v1, may be null)
+  const void* tmp_out;       // [num_seqs, num_heads, max_parts, HEAD_SIZE]      float, written (v2)
+  const void* tmp_lse;       // [num_seqs, num_heads, max_parts]                 float, written (v2)
+  const void* q;             // [num_seqs, num_heads, HEAD_SIZE]                 T
+  const void* k_cache;       // [num_blocks, num_kv_heads, HEAD_SIZE / X, BLOCK_SIZE, X]  CACHE_T
+  const void* v_cache;       // [num_blocks, num_kv_heads, HEAD_SIZE, BLOCK_SIZE]         CACHE_T
+  const void* block_tables;  // [num_seqs, max_blocks_per_seq]                   int32
+  const void* seq_lens;      // [num_seqs]                                       int32
+  const void* alibi_slopes;  // [num_heads]                                      float (ALIBI only)
+  long long q_stride_seq, q_stride_head;
+  long long out_stride_seq, out_stride_head;
+  long long lse_stride_head, lse_stride_seq;
+  long long k_stride_block, k_stride_head, k_stride_x, k_stride_token;
+  long long v_stride_block, v_stride_head, v_stride_dim;
+  long long bt_stride_seq;
+  float scale_log2;          // softmax_scale * k_scale * log2(e), folded into q
+  float v_scale;             // multiplies the output (1 for 16-bit caches)
+  int num_seqs;
+  int num_heads;
+  int gqa_ratio;             // num_heads / num_kv_heads
+  int max_blocks_per_seq;    // block_tables.shape[1]: sequences are clamped to its capacity
+  int max_parts;             // v2: partitions per sequence in tmp_out / tmp_lse
+  int logits_stride;         // floats per head in the dynamic shared logits buffer
+};
+
+// Raw 16- or 8-byte vector (8-byte only for fp8 V rows of block size 8).
+template <int BYTES> struct RawVec;
+template <> struct __align__(16) RawVec<16> { uint4 raw; };
+template <> struct __align__(8) RawVec<8> { uint2 raw; };
+
+template <int BYTES>
+__device__ __forceinline__ RawVec<BYTES> load_stream(const void* p);
+template <> __device__ __forceinline__ RawVec<16> load_stream<16>(const void* p) {
+  RawVec<16> v;
+  v.raw = __ldcs(reinterpret_cast<const uint4*>(p));
+  return v;
+}
+template <> __device__ __forceinline__ RawVec<8> load_stream<8>(const void* p) {
+  RawVec<8> v;
+  v.raw = __ldcs(reinterpret_cast<const uint2*>(p));
+  return v;
+}
+
+template <typename CT, int N, int BYTES>
+__device__ __forceinline__ void unpack_raw(const RawVec<BYTES>& v, float (&out)[N]) {
+  static_assert(N * sizeof(CT) == BYTES, "vector size mismatch");
+  const CT* elems = reinterpret_cast<const CT*>(&v);
+#pragma unroll
+  for (int i = 0; i < N; ++i) out[i] = to_float(elems[i]);
+}
+
+// Every size the kernel derives from its template parameters, in one place.
+template <typename CACHE_T, int HEAD_SIZE, int BLOCK_SIZE, int NUM_THREADS>
+struct PagedTraits {
+  static constexpr int NUM_WARPS = NUM_THREADS / 32;
+  // K: a warp reads one cache block per step; lane = gsub * BLOCK_SIZE + token, so the 32
+  // lanes read 32 consecutive x-vectors (512 contiguous bytes) and TGS lanes share a token.
+  static constexpr int X = 16 / sizeof(CACHE_T);
+  static constexpr int NG = HEAD_SIZE / X;                  // x-vectors per token
+  static constexpr int TGS = 32 / BLOCK_SIZE;               // lanes per token
+  static constexpr int NGT = (NG + TGS - 1) / TGS;          // x-vectors per lane per block
+  static constexpr int KU_RAW = 8 / NGT;                    // blocks per warp per step, so
+  static constexpr int KU = KU_RAW < 1 ? 1 : (KU_RAW > 4 ? 4 : KU_RAW);  // ~8 loads in flight
+  // V: the whole thread block reads consecutive vectors of VL tokens of one dim; VSLOTS
+  // groups of V_VECS threads each take a cache block, each thread UV blocks per step.
+  static constexpr int VL = X < BLOCK_SIZE ? X : BLOCK_SIZE;   // tokens per V load
+  static constexpr int V_BYTES = VL * sizeof(CACHE_T);         // 16, or 8 (fp8, block 8)
+  static constexpr int VPR = BLOCK_SIZE / VL;                  // loads per dim row
+  static constexpr int V_VECS = HEAD_SIZE * VPR;               // loads per cache block
+  static constexpr int VSLOTS = NUM_THREADS >= V_VECS ? NUM_THREADS / V_VECS : 1;
+  static constexpr int VPT = NUM_THREADS >= V_VECS ? 1 : (V_VECS + NUM_THREADS - 1) / NUM_THREADS;
+  static constexpr int UV_RAW = 8 / VPT;
+  static constexpr int UV = UV_RAW < 1 ? 1 : UV_RAW;
+  static_assert(HEAD_SIZE % X == 0, "head size must be a multiple of the 16-byte x-vector");
+  static_assert(BLOCK_SIZE <= 32 && 32 % BLOCK_SIZE == 0, "block size 8, 16 or 32");
+  static_assert(NUM_THREADS % 32 == 0, "whole warps");
+};
+
+template <int N>
+__device__ __forceinline__ void load_floats(const float* src, float (&dst)[N]) {
+  static_assert(N % 4 == 0, "float4 loads");
+#pragma unroll
+  for (int i = 0; i < N / 4; ++i) {
+    const float4 v = reinterpret_cast<const float4*>(src)[i];
+    dst[4 * i] = v.x; dst[4 * i + 1] = v.y; dst[4 * i + 2] = v.z; dst[4 * i + 3] = v.w;
+  }
+}
+
+// Grid: (num_heads / GROUP, num_seqs, 1 (v1) or max_parts (v2)), block: (NUM_THREADS),
+// dynamic shared memory: GROUP * logits_stride floats.
+// One thread block computes query heads [blockIdx.x * GROUP, +GROUP), all of one KV head, over
+// the whole sequence (PARTITION_SIZE == 0, v1) or over tokens [z * PARTITION_SIZE, +PARTITION_SIZE)
+// (v2, writing a normalised partial output and its lse for the reduce kernel).
+template <typename T, typename CACHE_T, int HEAD_SIZE, int BLOCK_SIZE, int GROUP,
+          int PARTITION_SIZE, bool ALIBI, int NUM_THREADS>
+__device__ void paged_attention_kernel(const PagedParams& p) {
+  using Tr = PagedTraits<CACHE_T, HEAD_SIZE, BLOCK_SIZE, NUM_THREADS>;
+  constexpr bool V2 = PARTITION_SIZE > 0;
+  constexpr int X = Tr::X, NG = Tr::NG, TGS = Tr::TGS, NGT = Tr::NGT, KU = Tr::KU;
+  constexpr int NUM_WARPS = Tr::NUM_WARPS;
+  constexpr int VL = Tr::VL, VPR = Tr::VPR, V_VECS = Tr::V_VECS, VSLOTS = Tr::VSLOTS;
+  constexpr int VPT = Tr::VPT, UV = Tr::UV;
+  static_assert(!V2 || PARTITION_SIZE % BLOCK_SIZE == 0, "partition of whole blocks");
+
+  __shared__ __align__(16) float q_s[GROUP * HEAD_SIZE];   // scaled query, log2 domain
+  __shared__ float red_s[NUM_WARPS * GROUP];
+  __shared__ float inv_sum_s[GROUP];   // v_scale / sum
+  __shared__ float sum_s[GROUP];
+  extern __shared__ __align__(16) float logits[];           // [GROUP][logits_stride]
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int seq = blockIdx.y;
+  const int part = V2 ? blockIdx.z : 0;
+  const int head0 = blockIdx.x * GROUP;
+  const int kv_head = head0 / p.gqa_ratio;
+  const int LS = p.logits_stride;
+
+  int seq_len = static_cast<const int*>(p.seq_lens)[seq];
+  seq_len = min(max(seq_len, 0), p.max_blocks_per_seq * BLOCK_SIZE);
+  const int start_tok = part * PARTITION_SIZE;
+  if (V2 && start_tok >= seq_len) return;     // the reduce kernel never reads this partition
+  if (!V2 && seq_len == 0) {                  // empty sequence: zeros, lse = -inf
+    for (int i = tid; i < GROUP * HEAD_SIZE; i += NUM_THREADS) {
+      T* o = static_cast<T*>(const_cast<void*>(p.out)) + seq * p.out_stride_seq +
+             (head0 + i / HEAD_SIZE) * p.out_stride_head + i % HEAD_SIZE;
+      *o = from_float<T>(0.f);
+    }
+    if (p.lse != nullptr && tid < GROUP)
+      static_cast<float*>(const_cast<void*>(p.lse))[(head0 + tid) * p.lse_stride_head +
+                                                   seq * p.lse_stride_seq] = neg_inf();
+    return;
+  }
+  const int end_tok = V2 ? min(seq_len, start_tok + PARTITION_SIZE) : seq_len;
+  const int start_blk = start_tok / BLOCK_SIZE;
+  const int num_blks = (end_tok + BLOCK_SIZE - 1) / BLOCK_SIZE - start_blk;
+  const int* block_table = static_cast<const int*>(p.block_tables) + seq * p.bt_stride_seq + start_blk;
+
+  // ---- query -> shared memory (float, pre-scaled by softmax_scale * k_scale * log2 e) ------
+  const T* q = static_cast<const T*>(p.q) + seq * p.q_stride_seq;
+  for (int i = tid; i < GROUP * HEAD_SIZE; i += NUM_THREADS)
+    q_s[i] = to_float(q[(head0 + i / HEAD_SIZE) * p.q_stride_head + i % HEAD_SIZE]) * p.scale_log2;
+  float slope[GROUP];
+#pragma unroll
+  for (int h = 0; h < GROUP; ++h)
+    slope[h] = ALIBI ? static_cast<const float*>(p.alibi_slopes)[head0 + h] * kLog2e : 0.f;
+  __syncthreads();
+
+  // ---- logits = q . k for every token of the range, every head of the group -----------------
+  const CACHE_T* k_head = static_cast<const CACHE_T*>(p.k_cache) + kv_head * p.k_stride_head;
+  const int k_tok = lane % BLOCK_SIZE;
+  const int gsub = lane / BLOCK_SIZE;
+  float qk_max[GROUP];
+#pragma unroll
+  for (int h = 0; h < GROUP; ++h) qk_max[h] = neg_inf();
+
+  for (int b0 = warp * KU; b0 < num_blks; b0 += NUM_WARPS * KU) {
+    RawVec<16> kv[KU][NGT];
+#pragma unroll
+    for (int u = 0; u < KU; ++u) {
+      const bool valid = b0 + u < num_blks;
+      const long long phys = valid ? __ldg(block_table + b0 + u) : 0;
+      const CACHE_T* src = k_head + phys * p.k_stride_block + k_tok * p.k_stride_token;
+#pragma unroll
+      for (int i = 0; i < NGT; ++i) {
+        const int g = gsub + TGS * i;
+        if (valid && (NG % TGS == 0 || g < NG)) kv[u][i] = load_stream<16>(src + g * p.k_stride_x);
+        else kv[u][i].raw = make_uint4(0, 0, 0, 0);
+      }
+    }
+    float acc[KU][GROUP];
+#pragma unroll
+    for (int u = 0; u < KU; ++u)
+#pragma unroll
+      for (int h = 0; h < GROUP; ++h) acc[u][h] = 0.f;
+#pragma unroll
+    for (int i = 0; i < NGT; ++i) {
+      const int g = gsub + TGS * i;
+      if (NG % TGS != 0 && g >= NG) continue;
+      float kf[KU][X];
+#pragma unroll
+      for (int u = 0; u < KU; ++u) unpack_raw<CACHE_T, X>(kv[u][i], kf[u]);
+#pragma unroll
+      for (int h = 0; h < GROUP; ++h) {
+        float qf[X];
+        load_floats<X>(q_s + h * HEAD_SIZE + g * X, qf);
+#pragma unroll
+        for (int u = 0; u < KU; ++u)
+#pragma unroll
+          for (int e = 0; e < X; ++e) acc[u][h] = fmaf(qf[e], kf[u][e], acc[u][h]);
+      }
+    }
+    // Sum the TGS lanes of each token (lanes BLOCK_SIZE apart).
+#pragma unroll
+    for (int u = 0; u < KU; ++u)
+#pragma unroll
+      for (int h = 0; h < GROUP; ++h)
+#pragma unroll
+        for (int off = BLOCK_SIZE; off < 32; off *= 2)
+          acc[u][h] += __shfl_xor_sync(0xffffffffu, acc[u][h], off);
+#pragma unroll
+    for (int u = 0; u < KU; ++u) {
+      const int b = b0 + u;
+      if (b < num_blks && gsub == 0) {
+        const int t = (start_blk + b) * BLOCK_SIZE + k_tok;   // token index in the sequence
+#pragma unroll
+        for (int h = 0; h < GROUP; ++h) {
+          float l = acc[u][h];
+          if (ALIBI) l += slope[h] * float(t - seq_len + 1);
+          l = t < end_tok ? l : neg_inf();                      // a select: NaN K stays out
+          logits[h * LS + b * BLOCK_SIZE + k_tok] = l;
+          qk_max[h] = fmaxf(qk_max[h], l);
+        }
+      }
+    }
+  }
+
+  // ---- softmax over the range: max, exp2, sum (two block-wide reductions) -------------------
+#pragma unroll
+  for (int h = 0; h < GROUP; ++h) {
+    float m = qk_max[h];
+#pragma unroll
+    for (int off = 16; off > 0; off /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+    if (lane == 0) red_s[warp * GROUP + h] = m;
+  }
+  __syncthreads();
+  float row_max[GROUP];
+#pragma unroll
+  for (int h = 0; h < GROUP; ++h) {
+    row_max[h] = red_s[h];
+#pragma unroll
+    for (int w = 1; w < NUM_WARPS; ++w) row_max[h] = fmaxf(row_max[h], red_s[w * GROUP + h]);
+  }
+  __syncthreads();   // red_s is reused below
+  const int num_logits = num_blks * BLOCK_SIZE;
+  float row_sum[GROUP];
+#pragma unroll
+  for (int h = 0; h < GROUP; ++h) {
+    row_sum[h] = 0.f;
+    for (int i = tid; i < num_logits; i += NUM_THREADS) {
+      const float e = exp2f(logits[h * LS + i] - row_max[h]);
+      logits[h * LS + i] = e;
+      row_sum[h] += e;
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off /= 2) row_sum[h] += __shfl_xor_sync(0xffffffffu, row_sum[h], off);
+    if (lane == 0) red_s[warp * GROUP + h] = row_sum[h];
+  }
+  __syncthreads();
+  if (tid < GROUP) {   // the range is never empty here, so the sum is >= 1
+    float s = 0.f;
+    for (int w = 0; w < NUM_WARPS; ++w) s += red_s[w * GROUP + tid];
+    sum_s[tid] = s;
+    inv_sum_s[tid] = p.v_scale / s;
+  }
+
+  // ---- out = P . V -------------------------------------------------------------------------
+  const CACHE_T* v_head = static_cast<const CACHE_T*>(p.v_cache) + kv_head * p.v_stride_head;
+  const int slot = VSLOTS > 1 ? tid / V_VECS : 0;
+  const int vt = VSLOTS > 1 ? tid % V_VECS : tid;
+  const bool v_active = VPT > 1 || tid < VSLOTS * V_VECS;
+  float vacc[VPT][GROUP];
+#pragma unroll
+  for (int j = 0; j < VPT; ++j)
+#pragma unroll
+    for (int h = 0; h < GROUP; ++h) vacc[j][h] = 0.f;
+
+  for (int b0 = slot * UV; b0 < num_blks; b0 += VSLOTS * UV) {
+    RawVec<Tr::V_BYTES> vv[UV][VPT];
+#pragma unroll
+    for (int u = 0; u < UV; ++u) {
+      const bool valid = v_active && b0 + u < num_blks;
+      const long long phys = valid ? __ldg(block_table + b0 + u) : 0;
+      const CACHE_T* src = v_head + phys * p.v_stride_block;
+#pragma unroll
+      for (int j = 0; j < VPT; ++j) {
+        const int vec = vt + NUM_THREADS * j;
+        if (valid && (V_VECS % NUM_THREADS == 0 || vec < V_VECS))
+          vv[u][j] = load_stream<Tr::V_BYTES>(src + (vec / VPR) * p.v_stride_dim + (vec % VPR) * VL);
+        else
+          vv[u][j] = RawVec<Tr::V_BYTES>{};
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < UV; ++u) {
+      const int b = b0 + u;
+      if (!v_active || b >= num_blks) continue;
+      const int blk_tok0 = (start_blk + b) * BLOCK_SIZE;
+      const bool tail = blk_tok0 + BLOCK_SIZE > end_tok;   // only the last block of a sequence
+#pragma unroll
+      for (int j = 0; j < VPT; ++j) {
+        const int vec = vt + NUM_THREADS * j;
+        if (V_VECS % NUM_THREADS != 0 && vec >= V_VECS) continue;
+        const int c = vec % VPR;
+        float vf[VL];
+        unpack_raw<CACHE_T, VL>(vv[u][j], vf);
+        if (tail) {
+#pragma unroll
+          for (int e = 0; e < VL; ++e) vf[e] = blk_tok0 + c * VL + e < end_tok ? vf[e] : 0.f;
+        }
+#pragma unroll
+        for (int h = 0; h < GROUP; ++h) {
+          float pf[VL];
+          load_floats<VL>(logits + h * LS + b * BLOCK_SIZE + c * VL, pf);
+#pragma unroll
+          for (int e = 0; e < VL; ++e) vacc[j][h] = fmaf(pf[e], vf[e], vacc[j][h]);
+        }
+      }
+    }
+  }
+  // The VPR lanes of one dim are adjacent: sum them.
+#pragma unroll
+  for (int j = 0; j < VPT; ++j)
+#pragma unroll
+    for (int h = 0; h < GROUP; ++h)
+#pragma unroll
+      for (int off = 1; off < VPR; off *= 2)
+        vacc[j][h] += __shfl_xor_sync(0xffffffffu, vacc[j][h], off);
+
+  // ---- write: v1 the output and lse, v2 the normalised partial output and its lse ---------
+  const long long row0 = (long long)seq * p.num_heads + head0;   // v2 rows of tmp_*
+  auto store = [&](int h, int d, float value) {
+    value *= inv_sum_s[h];
+    if (V2) {
+      static_cast<float*>(const_cast<void*>(p.tmp_out))[((row0 + h) * p.max_parts + part) * HEAD_SIZE + d] = value;
+    } else {
+      static_cast<T*>(const_cast<void*>(p.out))[seq * p.out_stride_seq + (head0 + h) * p.out_stride_head + d] =
+          from_float<T>(value);
+    }
+  };
+  __syncthreads();   // logits are dead (reused by the slot sum), inv_sum_s is visible
+  if (VSLOTS > 1) {
+    float* slot_sum = logits;   // [VSLOTS][GROUP][HEAD_SIZE], fits: logits_stride >= NUM_THREADS
+    if (v_active && vt % VPR == 0) {
+#pragma unroll
+      for (int h = 0; h < GROUP; ++h) slot_sum[(slot * GROUP + h) * HEAD_SIZE + vt / VPR] = vacc[0][h];
+    }
+    __syncthreads();
+    for (int i = tid; i < GROUP * HEAD_SIZE; i += NUM_THREADS) {
+      float s = 0.f;
+#pragma unroll
+      for (int k = 0; k < VSLOTS; ++k) s += slot_sum[k * GROUP * HEAD_SIZE + i];
+      store(i / HEAD_SIZE, i % HEAD_SIZE, s);
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < VPT; ++j) {
+      const int vec = vt + NUM_THREADS * j;
+      if (vec % VPR != 0 || (V_VECS % NUM_THREADS != 0 && vec >= V_VECS)) continue;
+#pragma unroll
+      for (int h = 0; h < GROUP; ++h) store(h, vec / VPR, vacc[j][h]);
+    }
+  }
+  if (tid < GROUP) {
+    float m = row_max[0];
+#pragma unroll
+    for (int h = 1; h < GROUP; ++h) m = tid == h ? row_max[h] : m;
+    const float lse = (m + __log2f(sum_s[tid])) * kLn2;   // natural log
+    if (V2) {
+      static_cast<float*>(const_cast<void*>(p.tmp_lse))[(row0 + tid) * p.max_parts + part] = lse;
+    } else if (p.lse != nullptr) {
+      static_cast<float*>(const_cast<void*>(p.lse))[(head0 + tid) * p.lse_stride_head +
+                                                   seq * p.lse_stride_seq] = lse;
+    }
+  }
+}
+
+// Mirrored by cuattn.paged.REDUCE_PARAMS. Strides are in elements.
+struct PagedReduceParams {
+  const void* out;        // [num_seqs, num_heads, HEAD_SIZE]                 T, written
+  const void* lse;        // [num_heads, num_seqs]                            float, written (may be null)
+  const void* tmp_out;    // [num_seqs, num_heads, max_parts, HEAD_SIZE]      float
+  const void* tmp_lse;    // [num_seqs, num_heads, max_parts]                 float, natural log
+  const void* seq_lens;   // [num_seqs]                                       int32
+  long long out_stride_seq, out_stride_head;
+  long long lse_stride_head, lse_stride_seq;
+  int num_heads;
+  int max_parts;
+  int partition_size;
+  int max_seq_len;        // max_blocks_per_seq * block_size (the clamp of the main kernel)
+};
+
+// Grid: (num_heads, num_seqs), block: (NUM_THREADS); each thread owns 4 dims of the row.
+// Merges the partitions of one (sequence, head) with the online-softmax formula
+// (m = max lse_i, out = sum e^(lse_i - m) o_i / sum e^(lse_i - m)); one partition is copied
+// through, none (an empty sequence) gives zeros and lse = -inf.
+template <typename T, int HEAD_SIZE, int NUM_THREADS>
+__device__ void paged_attention_reduce_kernel(const PagedReduceParams& p) {
+  static_assert(HEAD_SIZE % 4 == 0, "float4 rows");
+  const int head = blockIdx.x, seq = blockIdx.y;
+  const int d = threadIdx.x * 4;
+  int seq_len = static_cast<const int*>(p.seq_lens)[seq];
+  seq_len = min(max(seq_len, 0), p.max_seq_len);
+  const int num_parts = (seq_len + p.partition_size - 1) / p.partition_size;
+  const long long row = (long long)seq * p.num_heads + head;
+  const float* lse_row = static_cast<const float*>(p.tmp_lse) + row * p.max_parts;
+  const float* out_row = static_cast<const float*>(p.tmp_out) + row * p.max_parts * HEAD_SIZE + d;
+
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  float lse = neg_inf();
+  if (num_parts == 1) {
+    if (d < HEAD_SIZE) acc = *reinterpret_cast<const float4*>(out_row);
+    lse = lse_row[0];
+  } else if (num_parts > 1) {
+    float m = neg_inf();
+    for (int i = 0; i < num_parts; ++i) m = fmaxf(m, lse_row[i]);
+    float wsum = 0.f;
+#pragma unroll 4
+    for (int i = 0; i < num_parts; ++i) {
+      const float w = __expf(lse_row[i] - m);
+      wsum += w;
+      if (d < HEAD_SIZE) {
+        const float4 o = *reinterpret_cast<const float4*>(out_row + (long long)i * HEAD_SIZE);
+        acc.x = fmaf(w, o.x, acc.x); acc.y = fmaf(w, o.y, acc.y);
+        acc.z = fmaf(w, o.z, acc.z); acc.w = fmaf(w, o.w, acc.w);
+      }
+    }
+    const float inv = 1.f / wsum;
+    acc.x *= inv; acc.y *= inv; acc.z *= inv; acc.w *= inv;
+    lse = m + __logf(wsum);
+  }
+  if (d < HEAD_SIZE) {
+    T* o = static_cast<T*>(const_cast<void*>(p.out)) + seq * p.out_stride_seq + head * p.out_stride_head + d;
+    o[0] = from_float<T>(acc.x); o[1] = from_float<T>(acc.y);
+    o[2] = from_float<T>(acc.z); o[3] = from_float<T>(acc.w);
+  }
+  if (threadIdx.x == 0 && p.lse != nullptr)
+    static_cast<float*>(const_cast<void*>(p.lse))[head * p.lse_stride_head + seq * p.lse_stride_seq] = lse;
+}
+
+}  // namespace cuattn

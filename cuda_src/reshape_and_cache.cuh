@@ -1,0 +1,81 @@
+// reshape_and_cache: scatter new tokens' keys and values into the paged KV cache at
+// slot = physical_block * block_size + offset, in vLLM's layouts (x-major K, dim-major V);
+// negative slots are skipped, fp8 e4m3 caches store round-to-nearest(value / scale).
+#pragma once
+#include "common/types.cuh"
+
+namespace cuattn {
+
+// Mirrored by cuattn.paged.RESHAPE_PARAMS. Strides are in elements; X = 16 / sizeof(CACHE_T).
+struct ReshapeCacheParams {
+  const void* key;           // [num_tokens, num_kv_heads, head_size]            T
+  const void* value;         // [num_tokens, num_kv_heads, head_size]            T
+  const void* k_cache;       // [num_blocks, num_kv_heads, head_size / X, block_size, X]  CACHE_T, written
+  const void* v_cache;       // [num_blocks, num_kv_heads, head_size, block_size]         CACHE_T, written
+  const void* slot_mapping;  // [num_tokens]                                     int32 or int64
+  long long key_stride_token, key_stride_head;
+  long long value_stride_token, value_stride_head;
+  long long k_stride_block, k_stride_head, k_stride_x, k_stride_token;
+  long long v_stride_block, v_stride_head, v_stride_dim;
+  float k_scale;             // fp8 caches only
+  float v_scale;
+  int num_tokens;
+  int num_kv_heads;
+  int head_size;
+  int block_size;
+};
+
+template <typename A, typename B> struct SameType { static constexpr bool value = false; };
+template <typename A> struct SameType<A, A> { static constexpr bool value = true; };
+
+// Grid: (num_tokens), block: (NUM_THREADS). Each thread moves whole x-vectors (X elements of
+// one head, 16 bytes of the cache): one 16-byte store into K, X strided element stores into V.
+template <typename T, typename CACHE_T, bool SLOT64, int NUM_THREADS>
+__device__ void reshape_and_cache_kernel(const ReshapeCacheParams& p) {
+  constexpr int X = 16 / sizeof(CACHE_T);
+  constexpr bool SAME = SameType<T, CACHE_T>::value;
+  const int token = blockIdx.x;
+  const long long slot = SLOT64 ? static_cast<const long long*>(p.slot_mapping)[token]
+                                : (long long)static_cast<const int*>(p.slot_mapping)[token];
+  if (slot < 0) return;
+  const long long block = slot / p.block_size;
+  const int offset = slot % p.block_size;
+  const int vecs_per_head = p.head_size / X;
+  CACHE_T* k_cache = static_cast<CACHE_T*>(const_cast<void*>(p.k_cache));
+  CACHE_T* v_cache = static_cast<CACHE_T*>(const_cast<void*>(p.v_cache));
+  for (int i = threadIdx.x; i < p.num_kv_heads * vecs_per_head; i += NUM_THREADS) {
+    const int head = i / vecs_per_head, g = i % vecs_per_head;
+    const T* k_src = static_cast<const T*>(p.key) + token * p.key_stride_token + head * p.key_stride_head + g * X;
+    const T* v_src = static_cast<const T*>(p.value) + token * p.value_stride_token + head * p.value_stride_head + g * X;
+    CACHE_T* k_dst = k_cache + block * p.k_stride_block + head * p.k_stride_head + g * p.k_stride_x +
+                     offset * p.k_stride_token;
+    CACHE_T* v_dst = v_cache + block * p.v_stride_block + head * p.v_stride_head +
+                     (long long)g * X * p.v_stride_dim + offset;
+    if constexpr (SAME) {
+      const Vec16 kv = load16(k_src), vv = load16(v_src);
+      store16(k_dst, kv);
+      const CACHE_T* ve = reinterpret_cast<const CACHE_T*>(&vv);
+#pragma unroll
+      for (int e = 0; e < X; ++e) v_dst[e * p.v_stride_dim] = ve[e];
+    } else {
+      // 16-bit input -> fp8: X = 16 elements, two 16-byte input vectors per cache vector.
+      constexpr int IN = ElemsPer16B<T>::value;
+      Vec16 packed;
+      CACHE_T* kq = reinterpret_cast<CACHE_T*>(&packed);
+#pragma unroll
+      for (int half = 0; half < X / IN; ++half) {
+        float kf[IN], vf[IN];
+        unpack16<T>(load16(k_src + half * IN), kf);
+        unpack16<T>(load16(v_src + half * IN), vf);
+#pragma unroll
+        for (int e = 0; e < IN; ++e) {
+          kq[half * IN + e] = from_float<CACHE_T>(__fdiv_rn(kf[e], p.k_scale));
+          v_dst[(half * IN + e) * p.v_stride_dim] = from_float<CACHE_T>(__fdiv_rn(vf[e], p.v_scale));
+        }
+      }
+      store16(k_dst, packed);
+    }
+  }
+}
+
+}  // namespace cuattn
