@@ -7,5 +7,7 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from .merge import merge_attn_states, merge_states
+from .paged import paged_attention, paged_kv_cache_shapes, reshape_and_cache
 
-__all__ = ["merge_attn_states", "merge_states", "__version__"]
+__all__ = ["merge_attn_states", "merge_states", "paged_attention", "paged_kv_cache_shapes",
+           "reshape_and_cache", "__version__"]

@@ -15,8 +15,14 @@ def _merge() -> list[Variant]:
     return shipped_variants()
 
 
+def _paged() -> list[Variant]:
+    from .paged import shipped_variants
+    return shipped_variants()
+
+
 SHIPPED: dict[str, Callable[[], list[Variant]]] = {
     "merge": _merge,
+    "paged": _paged,
 }
 
 

@@ -60,8 +60,9 @@ struct FlashFwdTraits {
   static constexpr int KV_LOADS_PER_THREAD = (KV_CHUNKS + THREADS - 1) / THREADS;
   static constexpr int Q_LOADS_PER_LANE = WARP_M * D_CHUNKS / 32;
   // Q fragments stay in registers for the whole key loop unless Q + O fragments alone
-  // would take more than 160 of the 255 registers (hd 256 at 16 rows per warp: 64 + 128).
-  static constexpr bool Q_IN_REGS = M_TILES * (QK_K_STEPS * 4 + O_N_TILES * 4) <= 160;
+  // would take more than 96 of the 255 registers (hd 128 at 16 rows per warp: 32 + 64 = 96;
+  // larger head dims leave too little room for S, addresses and load scheduling).
+  static constexpr bool Q_IN_REGS = M_TILES * (QK_K_STEPS * 4 + O_N_TILES * 4) <= 96;
 
   static_assert(sizeof(T) == 2, "fp16 / bf16 only");
   static_assert(HEAD_DIM % 32 == 0 && HEAD_DIM <= 256, "compiled head dim: a multiple of 32");
@@ -173,21 +174,47 @@ __device__ void flash_fwd_kernel(const FlashFwdParams& p) {
 
   // One K/V tile into a pipeline stage; keys past the sequence and columns past head_dim
   // are zero-filled (a zero V row keeps 0 * garbage out of P V).
+  // Each thread copies a fixed 16-byte column chunk of every ROWS_PER_PASS-th row when the
+  // chunks of a row divide the block evenly (one running pointer each for K and V);
+  // otherwise chunk c of the tile goes to thread c % THREADS.
+  constexpr bool EVEN_ROWS = Tr::THREADS % D_CHUNKS == 0;
+  constexpr int ROWS_PER_PASS = EVEN_ROWS ? Tr::THREADS / D_CHUNKS : 1;
+  const int ld_row = EVEN_ROWS ? tid / D_CHUNKS : 0;
+  const int ld_ch = EVEN_ROWS ? tid % D_CHUNKS : 0;
+  const bool ld_ch_ok = ld_ch < head_dim_chunks;
   auto load_kv = [&](int tile, int stage) {
     const u32 sk_base = smem_kv + stage * Tr::STAGE_BYTES;
     const u32 sv_base = sk_base + Tr::KV_TILE_BYTES;
+    if constexpr (EVEN_ROWS) {
+      const int key0 = tile * BLOCK_N + ld_row;
+      const T* ks = k_ptr + (long long)key0 * p.k_stride_row + ld_ch * 8;
+      const T* vs = v_ptr + (long long)key0 * p.v_stride_row + ld_ch * 8;
+      const long long k_step = (long long)ROWS_PER_PASS * p.k_stride_row;
+      const long long v_step = (long long)ROWS_PER_PASS * p.v_stride_row;
 #pragma unroll
-    for (int it = 0; it < Tr::KV_LOADS_PER_THREAD; ++it) {
-      const int c = it * Tr::THREADS + tid;
-      if (Tr::KV_CHUNKS % Tr::THREADS == 0 || c < Tr::KV_CHUNKS) {
-        const int r = c / D_CHUNKS, ch = c % D_CHUNKS;
-        const int key = tile * BLOCK_N + r;
-        const bool ok = key < sk && ch < head_dim_chunks;
-        const u32 off = swizzled_offset<D_CHUNKS>(r, ch);
-        const T* ks = ok ? k_ptr + (long long)key * p.k_stride_row + ch * 8 : k_ptr;
-        const T* vs = ok ? v_ptr + (long long)key * p.v_stride_row + ch * 8 : v_ptr;
-        cp_async_16(sk_base + off, ks, ok ? 16 : 0);
-        cp_async_16(sv_base + off, vs, ok ? 16 : 0);
+      for (int it = 0; it < BLOCK_N / ROWS_PER_PASS; ++it) {
+        const int r = it * ROWS_PER_PASS + ld_row;
+        const bool ok = ld_ch_ok && key0 + it * ROWS_PER_PASS < sk;
+        const u32 off = swizzled_offset<D_CHUNKS>(r, ld_ch);
+        cp_async_16(sk_base + off, ok ? ks : k_ptr, ok ? 16 : 0);
+        cp_async_16(sv_base + off, ok ? vs : v_ptr, ok ? 16 : 0);
+        ks += k_step;
+        vs += v_step;
+      }
+    } else {
+#pragma unroll
+      for (int it = 0; it < Tr::KV_LOADS_PER_THREAD; ++it) {
+        const int c = it * Tr::THREADS + tid;
+        if (Tr::KV_CHUNKS % Tr::THREADS == 0 || c < Tr::KV_CHUNKS) {
+          const int r = c / D_CHUNKS, ch = c % D_CHUNKS;
+          const int key = tile * BLOCK_N + r;
+          const bool ok = key < sk && ch < head_dim_chunks;
+          const u32 off = swizzled_offset<D_CHUNKS>(r, ch);
+          const T* ks = ok ? k_ptr + (long long)key * p.k_stride_row + ch * 8 : k_ptr;
+          const T* vs = ok ? v_ptr + (long long)key * p.v_stride_row + ch * 8 : v_ptr;
+          cp_async_16(sk_base + off, ks, ok ? 16 : 0);
+          cp_async_16(sv_base + off, vs, ok ? 16 : 0);
+        }
       }
     }
   };
