@@ -68,7 +68,7 @@ def _graph_median_ms(fn, calls, n_warmup, n_repeat, flush_l2) -> float:
     return float(statistics.median(times))
 
 
-def host_us_per_call(fn, *, n: int = 2000) -> float:
+def host_us_per_call(fn, *, n: int = 300) -> float:
     """Host-side microseconds per call (launch path cost), GPU work queued, not waited on."""
     import time
     for _ in range(50):

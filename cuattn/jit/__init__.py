@@ -11,14 +11,15 @@ import cupy
 
 from . import cache, compiler
 from .compiler import CompileError, CompileResult, Resources, compile_cubin, nvrtc_version
+from .launch import Kernel
 from .params import ParamsStruct
 from .variant import Variant
 
-__all__ = ["CompileError", "CompileResult", "ParamsStruct", "Resources", "Variant",
+__all__ = ["CompileError", "CompileResult", "Kernel", "ParamsStruct", "Resources", "Variant",
            "arch_of_device", "build", "cache", "compile_variant", "compiler", "get_kernel",
            "nvrtc_version"]
 
-_loaded: dict[tuple[int, Variant], "cupy.cuda.function.Function"] = {}
+_loaded: dict[tuple[int, Variant], Kernel] = {}
 _modules: list = []          # keep modules alive as long as their functions
 _lock = threading.Lock()
 
@@ -55,11 +56,15 @@ def _load(key: Variant, device_id: int):
         if key.dynamic_smem_bytes > 48 * 1024:
             function.max_dynamic_shared_size_bytes = key.dynamic_smem_bytes
     _modules.append(module)
-    return function
+    return Kernel(key.name, function)
 
 
 def get_kernel(key: Variant, device_id: int):
-    """The loaded kernel of ``key`` on ``device_id`` (compiled or read from disk on first use)."""
+    """The loaded kernel of ``key`` on ``device_id`` (compiled or read from disk on first use).
+
+    Call it as ``kernel(grid, block, params, stream, smem)`` with ``params`` from
+    ``key.params.pack(...)`` (see launch.Kernel).
+    """
     function = _loaded.get((device_id, key))
     if function is None:
         with _lock:
