@@ -199,3 +199,26 @@ def test_bad_inputs_raise_naming_the_argument(rng, what, mutate, exc, name):
         cuattn.merge_attn_states(**args)
     cp.cuda.Device().synchronize()    # the device is still fine
     cuattn.merge_attn_states(d_outs[0], d_lses[0], d_outs[1], d_lses[1])
+
+
+@pytest.mark.gpu
+def test_merge_captured_in_a_cuda_graph_replays_with_new_data(rng):
+    import cupy as cp
+    outs, lses, d_outs, d_lses = _inputs(rng, 2, 33, 4, 128, "bf16")
+    out = cp.empty((33, 4, 128), dtype=ml_dtypes.bfloat16)
+    out_lse = cp.empty((4, 33), dtype=np.float32)
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        cuattn.merge_attn_states(d_outs[0], d_lses[0], d_outs[1], d_lses[1], out=out,
+                                 out_lse=out_lse)      # load outside the capture
+        stream.begin_capture()
+        cuattn.merge_attn_states(d_outs[0], d_lses[0], d_outs[1], d_lses[1], out=out,
+                                 out_lse=out_lse)
+        graph = stream.end_capture()
+    new_outs, new_lses, _, _ = _inputs(rng, 2, 33, 4, 128, "bf16")
+    d_outs.set(new_outs)
+    d_lses.set(new_lses)
+    out.fill(np.nan)
+    graph.launch(stream)
+    stream.synchronize()
+    _check(out, out_lse, new_outs, new_lses, "bf16")
