@@ -47,7 +47,7 @@ stream = cupy.cuda.get_current_stream()
 empty = cupy.RawKernel('extern "C" __global__ void k(int x) {}', "k")
 print(f"cupy RawKernel, one int argument:   {us_per_call(lambda: empty((1,), (32,), (np.int32(1),))):6.1f} us")
 print(f"cupy launch of a struct argument:   {us_per_call(lambda: kernel.function((1,), (32,), (params[()],))):6.1f} us")
-print(f"driver launch (jit.Kernel):         {us_per_call(lambda: kernel((1,), (32,), params, stream)):6.1f} us")
+print(f"driver launch (jit.Kernel):         {us_per_call(lambda: kernel((1,), (32,), (params,), stream=stream)):6.1f} us")
 print(f"ParamsStruct.pack:                  {us_per_call(lambda: PARAMS.pack(**fields)):6.1f} us")
 print(f"merge_attn_states, whole call:      {us_per_call(call):6.1f} us")
 

@@ -105,7 +105,7 @@ def _launch(variant, device_id, stream, out, out_lse, rows, **fields):
                          "(at most 2^31 16-byte vectors); split the tokens")
     grid = ((vecs + variant.num_threads - 1) // variant.num_threads,)
     if grid[0]:
-        kernel(grid, (variant.num_threads,), params, stream)
+        kernel(grid, (variant.num_threads,), (params,), stream=stream)
 
 
 def merge_attn_states(prefix_out, prefix_lse, suffix_out, suffix_lse, *, out=None,
