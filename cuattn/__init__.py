@@ -6,8 +6,10 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
+from .flash import flash_forward, flash_varlen_forward
 from .merge import merge_attn_states, merge_states
 from .paged import paged_attention, paged_kv_cache_shapes, reshape_and_cache
 
-__all__ = ["merge_attn_states", "merge_states", "paged_attention", "paged_kv_cache_shapes",
+__all__ = ["flash_forward", "flash_varlen_forward",
+           "merge_attn_states", "merge_states", "paged_attention", "paged_kv_cache_shapes",
            "reshape_and_cache", "__version__"]

@@ -39,6 +39,7 @@ MAX_HEAD_DIM = 256
 _LOG2E = 1.4426950408889634
 _MAX_GRID_YZ = 65535
 _INT32_MAX = 2**31 - 1
+_MAX_SEQLEN = 2**29     # keeps every band bound of the kernel inside int32
 
 
 def compiled_head_dim(head_dim: int) -> int:
@@ -114,17 +115,24 @@ def forward_variant(dtype: str, head_dim: int, *, causal: bool, window: bool, sp
                            causal, window, split)
 
 
-def shipped_variants(arch: str = "sm_90") -> list[Variant]:
-    """dtypes x tuned head dims x {non-causal, causal}, plus their split-KV forms'
-    combine kernels. Windows and split forward kernels compile on first use."""
-    out: list[Variant] = []
+def shipped_variants(arch: str | None = None) -> list[Variant]:
+    """dtypes x tuned head dims x {non-causal, causal}, and the split-KV combine kernels.
+
+    ``arch=None`` (what ``precompile`` uses, for any architecture): the union of the tile
+    choices of every architecture family, so a precompiled cache serves the tiles the
+    tuning table picks on sm_80, sm_86/89 and sm_90. Windows and split forward kernels
+    compile on first use.
+    """
+    archs = [arch] if arch is not None else ["sm_90", "sm_86"]   # one per tuning table
+    out: dict[Variant, None] = {}
     for dt in ("f16", "bf16"):
         for hd in tuning.FLASH_SHIPPED_HEAD_DIMS:
-            for causal in (False, True):
-                out.append(forward_variant(dt, hd, causal=causal, window=False, split=False,
-                                           arch=arch))
-            out.append(FlashCombineVariant(dt, compiled_head_dim(hd)))
-    return out
+            for a in archs:
+                for causal in (False, True):
+                    out[forward_variant(dt, hd, causal=causal, window=False, split=False,
+                                        arch=a)] = None
+            out[FlashCombineVariant(dt, compiled_head_dim(hd))] = None
+    return list(out)
 
 
 # ---- argument checks ---------------------------------------------------------------------
@@ -212,6 +220,11 @@ def _check_cu_seqlens(x, name, batch_plus_1=None):
 
 
 @functools.cache
+def _arch(device_id: int) -> str:
+    return arch_of_device(device_id)
+
+
+@functools.cache
 def _sm_count(device_id: int) -> int:
     return cupy.cuda.Device(device_id).attributes["MultiProcessorCount"]
 
@@ -250,7 +263,9 @@ def _run(*, q, k, v, out, lse, dtype, device_id, stream, causal, softmax_scale, 
     # causal alone = the causal variant; causal with a left bound, or any bound = a window
     is_causal = causal and left < 0
     window = not is_causal and (left >= 0 or right >= 0)
-    arch = arch_of_device(device_id)
+    if batch > _MAX_GRID_YZ or nheads > _MAX_GRID_YZ:
+        raise ValueError(f"q: batch {batch} and nheads {nheads} must each be <= {_MAX_GRID_YZ}")
+    arch = _arch(device_id)
     base = forward_variant(dtype.short, head_dim, causal=is_causal, window=window,
                            split=False, arch=arch)
     m_blocks = -(-max_sq // base.block_m)
@@ -258,13 +273,13 @@ def _run(*, q, k, v, out, lse, dtype, device_id, stream, causal, softmax_scale, 
         return
     n_key_tiles = -(-max_sk // base.block_n)
     if num_splits == 0:
+        # Resident blocks per SM: shared memory, and registers (the kernels use ~230-255
+        # registers per thread, so count 255).
         per_sm = max(1, min(_smem_per_sm(device_id) // max(base.dynamic_smem_bytes, 1),
-                            2048 // base.num_threads))
+                            65536 // (255 * base.num_threads)))
         num_splits = choose_num_splits(batch * nheads * m_blocks, n_key_tiles,
                                        _sm_count(device_id), per_sm)
     num_splits = max(1, min(num_splits, max(n_key_tiles, 1), _MAX_GRID_YZ // batch))
-    if batch > _MAX_GRID_YZ or nheads > _MAX_GRID_YZ:
-        raise ValueError(f"q: batch {batch} and nheads {nheads} must each be <= {_MAX_GRID_YZ}")
     wl, wr = _window_params(left, right, max_sq, max_sk)
     split = num_splits > 1
     variant = dataclasses.replace(base, split=True) if split else base
@@ -317,13 +332,16 @@ def flash_forward(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1,
     if k.shape[0] != batch:
         raise ValueError(f"k: batch {k.shape[0]} differs from q's {batch}")
     sk = k.shape[1]
-    if max(sq, sk) * 2 + 2 > _INT32_MAX or batch * sq > _INT32_MAX:
-        raise ValueError(f"q: sequence lengths too large ({sq}, {sk})")
+    if max(sq, sk) >= _MAX_SEQLEN or batch * sq > _INT32_MAX:
+        raise ValueError(f"q: sequence lengths ({sq}, {sk}) must be < 2**29 and batch x "
+                         "seqlen_q must fit in int32")
     softmax_scale, left, right, num_splits = _check_options(causal, softmax_scale, window_size,
                                                             num_splits, head_dim)
     device_id = q.device.id
     stream = A.resolve_stream(stream)
-    with cupy.cuda.Device(device_id):
+    # Allocations are made on the launch stream: CuPy's pool recycles a freed block on the
+    # stream it was allocated on, which must be the stream that uses it.
+    with cupy.cuda.Device(device_id), stream:
         if out is None:
             out = cupy.empty((batch, sq, nheads, head_dim), dtype=q.dtype)
         else:
@@ -366,8 +384,8 @@ def flash_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
     for name, val in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if isinstance(val, bool) or not isinstance(val, (int, np.integer)):
             raise TypeError(f"{name}: expected an int, got {type(val).__name__}")
-        if val < 0 or 2 * val + 2 > _INT32_MAX:
-            raise ValueError(f"{name}: expected 0 <= {name} < 2**30, got {val}")
+        if val < 0 or val >= _MAX_SEQLEN:
+            raise ValueError(f"{name}: expected 0 <= {name} < 2**29, got {val}")
     max_seqlen_q, max_seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
     if total_q > _INT32_MAX or k.shape[0] > _INT32_MAX:
         raise ValueError(f"q: total_q {total_q} must fit in int32")
@@ -376,7 +394,9 @@ def flash_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
     device_id = q.device.id
     A.check_same_device({"cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k}, device_id)
     stream = A.resolve_stream(stream)
-    with cupy.cuda.Device(device_id):
+    # Allocations are made on the launch stream: CuPy's pool recycles a freed block on the
+    # stream it was allocated on, which must be the stream that uses it.
+    with cupy.cuda.Device(device_id), stream:
         if out is None:
             out = cupy.empty((total_q, nheads, head_dim), dtype=q.dtype)
         else:

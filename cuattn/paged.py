@@ -75,16 +75,34 @@ class PagedVariant(Variant):
     partition_size: int   # 0 = v1 (whole sequence), else v2's partition in tokens
     alibi: bool
     num_threads: int = tuning.PAGED_NUM_THREADS
+    min_blocks: int = -1  # __launch_bounds__ min blocks per SM (0: ptxas decides);
+                          # -1: tuning.paged_min_blocks picks
 
     op: ClassVar[str] = "paged"
     header: ClassVar[str] = "paged_attention.cuh"
     kernel_template: ClassVar[str] = "paged_attention_kernel"
     params: ClassVar[ParamsStruct] = PARAMS
 
+    def __post_init__(self):
+        if self.min_blocks < 0:
+            object.__setattr__(self, "min_blocks", tuning.paged_min_blocks(
+                self.cache_dtype, self.head_size, self.block_size, self.group))
+
     def name_parts(self):
         return (self.dtype, f"kv{self.cache_dtype}", f"hd{self.head_size}", f"bs{self.block_size}",
                 f"g{self.group}", f"p{self.partition_size}" if self.partition_size else "v1",
-                f"a{int(self.alibi)}", f"t{self.num_threads}")
+                f"a{int(self.alibi)}", f"t{self.num_threads}") + \
+            ((f"m{self.min_blocks}",) if self.min_blocks else ())
+
+    def source(self) -> str:
+        # The base entry point says __launch_bounds__(num_threads), under which ptxas may cap
+        # a 256-thread kernel at 128 registers and spill; min_blocks = 1 lifts the cap.
+        src = super().source()
+        if not self.min_blocks:
+            return src
+        plain = f"__launch_bounds__({self.num_threads})"
+        assert plain in src
+        return src.replace(plain, f"__launch_bounds__({self.num_threads}, {self.min_blocks})")
 
     def template_args(self):
         return (BY_SHORT[self.dtype].cpp, BY_SHORT[self.cache_dtype].cpp, self.head_size,
@@ -245,6 +263,7 @@ def paged_kv_cache_shapes(num_blocks: int, nheads_kv: int, head_size: int, block
 # -- per-device facts (cached: the hot path is dictionary hits) -------------------------------
 
 _num_sms: dict[int, int] = {}
+_graph_scratch: list = []    # v2 scratch of calls captured into CUDA graphs, kept alive
 _v1_smem_limit: dict[tuple[int, PagedVariant], int] = {}
 
 
@@ -277,6 +296,29 @@ def _v1_fits(key: PagedVariant, device_id: int, max_context: int) -> tuple[bool,
     return need <= limit, need, limit
 
 
+def _auto_version(v1_key: PagedVariant, num_heads: int, num_seqs: int, max_context: int,
+                  partition_size: int, device_id: int) -> str:
+    version = tuning.paged_version((num_heads // v1_key.group) * num_seqs, max_context,
+                                   partition_size, _sm_count(device_id))
+    if version == "v1" and not _v1_fits(v1_key, device_id, max_context)[0]:
+        version = "v2"
+    return version
+
+
+def auto_version(q_shape, cache_dtype, nheads_kv: int, block_size: int, max_blocks_per_seq: int,
+                 *, alibi: bool = False, partition_size: int = 512, device_id: int = 0) -> str:
+    """What version="auto" runs for these shapes ("v1" or "v2"); for benchmarks and tests."""
+    num_seqs, num_heads, head_size = q_shape
+    gqa = num_heads // nheads_kv
+    group = max(g for g in range(1, tuning.PAGED_MAX_GROUP + 1) if gqa % g == 0)
+    dt = np.dtype(cache_dtype)
+    cache = "e4m3" if dt.itemsize == 1 else ("f16" if dt == np.float16 else "bf16")
+    key = PagedVariant("f16" if cache == "e4m3" else cache, cache, head_size, block_size, group,
+                       0, alibi)
+    return _auto_version(key, num_heads, num_seqs, max_blocks_per_seq * block_size,
+                         partition_size, device_id)
+
+
 # -- paged_attention --------------------------------------------------------------------------
 
 def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, *, softmax_scale=None,
@@ -302,6 +344,9 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, *, softmax_scal
     num_seqs, num_heads, head_size = q.shape
     if head_size not in HEAD_SIZES:
         raise ValueError(f"q: head_size {head_size} is not supported; expected one of {HEAD_SIZES}")
+    if num_seqs > 65535:
+        raise ValueError(f"q: num_seqs {num_seqs} is more than one launch's 65535 "
+                         "(a grid dimension); split the batch")
     A.check_last_dim_contiguous(q, "q")
     k_cache, v_cache, cache, num_kv_heads, _, block_size = _check_caches(
         k_cache, v_cache, dtype, head_size)
@@ -362,10 +407,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, *, softmax_scal
 
         v1_key = PagedVariant(dtype.short, cache, head_size, block_size, group, 0, alibi)
         if version == "auto":
-            version = tuning.paged_version((num_heads // group) * num_seqs, max_context,
-                                           partition_size, _sm_count(device_id))
-            if version == "v1" and not _v1_fits(v1_key, device_id, max_context)[0]:
-                version = "v2"
+            version = _auto_version(v1_key, num_heads, num_seqs, max_context, partition_size,
+                                    device_id)
         elif version == "v1":
             fits, need, limit = _v1_fits(v1_key, device_id, max_context)
             if not fits:
@@ -415,6 +458,9 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, *, softmax_scal
         max_parts = max(1, -(-max_context // partition_size))
         tmp_out = cupy.empty((num_seqs, num_heads, max_parts, head_size), dtype=np.float32)
         tmp_lse = cupy.empty((num_seqs, num_heads, max_parts), dtype=np.float32)
+        if stream.is_capturing():
+            # A captured graph keeps these addresses: the pool must never hand them out again.
+            _graph_scratch.append((tmp_out, tmp_lse))
         params = PARAMS.pack(out=0, lse=0, tmp_out=tmp_out.data.ptr, tmp_lse=tmp_lse.data.ptr,
                              out_stride_seq=0, out_stride_head=0, lse_stride_head=0,
                              lse_stride_seq=0, max_parts=max_parts,

@@ -13,15 +13,21 @@ MERGE_NUM_THREADS = 256
 MERGE_SHIPPED_HEAD_SIZES = (64, 128, 256)
 
 # flash (flash_forward / flash_varlen_forward) ---------------------------------------------
-# (arch family, compiled head dim, causal) -> FlashTiles. Each warp owns BLOCK_M / NUM_WARPS
-# query rows (16 or 32: a multiple of the mma m16 tile); Q fragments stay in registers, so
-# registers grow with (rows per warp) x head dim and the larger head dims use 16 rows/warp.
+# (arch family, compiled head dim, causal) -> FlashTiles. Each warp owns 16 query rows
+# (BLOCK_M = 16 x NUM_WARPS in every entry below; the kernel also accepts 32 rows per warp,
+# but with Q fragments resident that spills at every head dim >= 64 on sm_90).
 # Shared memory = Q tile + STAGES x (K tile + V tile) = 2 bytes x HEAD_DIM x
 # (BLOCK_M + 2 x STAGES x BLOCK_N); limits per block: sm_90 227 KB, sm_80 163 KB,
-# sm_86/sm_89 99 KB.
-# FIRST GUESSES, NOT YET MEASURED (written on a machine with no GPU; the reasoning is
-# registers <= 255 without spills, two resident blocks per SM where shared memory allows,
-# and FlashAttention-2's own tile choices). Replace each line with the H200 measurement.
+# sm_86/sm_89 99 KB (and 228 / 164 / 100 KB per SM).
+# FIRST GUESSES, NOT YET MEASURED (chosen on a machine with no GPU from the ptxas report:
+# registers <= 255 with zero spills at sm_90, shared memory under each architecture's
+# limit). The shape follows FlashAttention-2's occupancy: blocks of 4 warps at <= 255
+# registers, so two blocks (8 warps) are resident per SM and one block's __syncthreads /
+# softmax overlaps the other's MMAs. The alternative to measure first is 128 rows x 8
+# warps (one block per SM, each K/V tile shared by twice the rows): e.g. hd128
+# FlashTiles(128, 64, 8, 2) compiles at 236-253 registers, no spills.
+# Registers per thread at sm_90 (bf16; none / causal / window) are noted per line.
+# Replace each line with the H200 measurement.
 from dataclasses import dataclass as _dataclass
 
 
@@ -37,29 +43,27 @@ class FlashTiles:
 # of 32 (the tail columns are zero-filled on load and never stored).
 FLASH_HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
 
-# sm_90 / sm_80 (>= 163 KB of shared memory per block).
+# sm_90 / sm_80 (>= 163 KB of shared memory per block, 2 blocks per SM fit).
 _FLASH_BIG_SMEM = {
-    # hd <= 64: 32 rows per warp halves the shared-memory reads of K and V per FLOP
-    # (Q 32 + O 64 + S 64 registers). smem 16 + 2x32 = 80 KB -> 2 blocks/SM on sm_90.
-    32: FlashTiles(128, 64, 4, 2),
-    64: FlashTiles(128, 64, 4, 2),
-    # hd 96-128: 16 rows per warp (Q 32 + O 64 + S 32 registers at hd128);
-    # 128 rows x 8 warps share each K/V tile. smem 32 + 2x32 = 96 KB at hd128.
-    96: FlashTiles(128, 64, 8, 2),
-    128: FlashTiles(128, 64, 8, 2),
-    160: FlashTiles(64, 64, 4, 2),
-    192: FlashTiles(64, 64, 4, 2),
-    # hd 224-256: Q 64 + O 128 registers per thread leave room for a 32-key S tile only.
-    # smem 32 + 2x32 = 96 KB at hd256 -> 2 blocks/SM on sm_90.
-    224: FlashTiles(64, 32, 4, 2),
-    256: FlashTiles(64, 32, 4, 2),
+    32: FlashTiles(64, 128, 4, 2),     # 142 / 168 / 147 regs, smem 36 KB
+    64: FlashTiles(64, 128, 4, 2),     # 205 / 234 / 206 regs, smem 72 KB
+    96: FlashTiles(64, 64, 4, 2),      # 217 / 225 / 231 regs, smem 60 KB
+    128: FlashTiles(64, 64, 4, 2),     # 238 / 240 / 255 regs, smem 80 KB
+    # Above 128, Q fragments are re-read from shared memory each k16 step (Q + O would
+    # not fit in registers) and the key loop is one loop with a uniform mask branch.
+    160: FlashTiles(64, 64, 4, 2),     # 248 / 249 / 250 regs, smem 100 KB (1 block/SM on sm_80)
+    192: FlashTiles(64, 16, 4, 2),     # 244 / 245 / 252 regs (BN 32 spills 12 B), smem 48 KB
+    224: FlashTiles(64, 16, 4, 2),     # 255 regs (BN 32 spills 24 bytes), smem 56 KB
+    256: FlashTiles(64, 32, 4, 2),     # 249 / 255 / 247 regs, smem 96 KB
 }
-# sm_86 / sm_89 (99 KB per block): same register shapes, tiles trimmed to fit.
+# sm_86 / sm_89 (99 KB per block, 100 KB per SM): key tiles trimmed so that two blocks
+# fit per SM up to hd128.
 _FLASH_SMALL_SMEM = dict(_FLASH_BIG_SMEM)
 _FLASH_SMALL_SMEM.update({
-    128: FlashTiles(128, 32, 8, 2),   # 32 + 2x16 = 64 KB
-    160: FlashTiles(64, 32, 4, 2),
-    192: FlashTiles(64, 32, 4, 2),
+    64: FlashTiles(64, 64, 4, 2),      # smem 40 KB
+    96: FlashTiles(64, 32, 4, 2),      # smem 36 KB
+    128: FlashTiles(64, 32, 4, 2),     # smem 48 KB
+    160: FlashTiles(64, 32, 4, 2),     # smem 60 KB
 })
 
 
@@ -116,3 +120,18 @@ def paged_version(num_ctas_v1: int, max_context: int, partition_size: int, num_s
     if num_ctas_v1 >= PAGED_V1_MIN_WAVES * num_sms and max_context <= PAGED_V1_MAX_CONTEXT:
         return "v1"
     return "v2"
+
+
+def paged_min_blocks(cache_dtype: str, head_size: int, block_size: int, group: int) -> int:
+    """__launch_bounds__(256, min_blocks) of a paged_attention variant.
+
+    A plain __launch_bounds__(256) let ptxas (NVRTC 12.x, sm_90) pick register caps of 64 or
+    80 for some variants and spill; 2 (<= 128 registers, two blocks per SM) compiles the
+    16-bit variants with group <= 4 and group * head_size < 1024 without spills; group 8,
+    group 4 at head 256, and fp8 caches (whose conversion needs more registers, in software
+    before sm_89) with group >= 4 spill at 128, so they get 1 (up to 255 registers).
+    From a sweep of sm_90 compiles (every head/block size, group 1-8, v1/v2, ALiBi),
+    2026-11-29; the occupancy effect is unmeasured."""
+    if group >= 8 or group * head_size >= 1024 or (cache_dtype == "e4m3" and group >= 4):
+        return 1
+    return 2

@@ -10,6 +10,11 @@ from collections.abc import Callable
 from .jit import Variant
 
 
+def _flash() -> list[Variant]:
+    from .flash import shipped_variants
+    return shipped_variants()
+
+
 def _merge() -> list[Variant]:
     from .merge import shipped_variants
     return shipped_variants()
@@ -21,6 +26,7 @@ def _paged() -> list[Variant]:
 
 
 SHIPPED: dict[str, Callable[[], list[Variant]]] = {
+    "flash": _flash,
     "merge": _merge,
     "paged": _paged,
 }

@@ -59,6 +59,10 @@ struct FlashFwdTraits {
   static constexpr int KV_CHUNKS = BLOCK_N * D_CHUNKS;
   static constexpr int KV_LOADS_PER_THREAD = (KV_CHUNKS + THREADS - 1) / THREADS;
   static constexpr int Q_LOADS_PER_LANE = WARP_M * D_CHUNKS / 32;
+  // Two inlined copies of the key-loop body (boundary tiles with the mask, the middle
+  // without) when registers allow; above head dim 128 ptxas spills with two copies, so one
+  // loop skips the mask code with a block-uniform branch instead.
+  static constexpr bool SEPARATE_MASK_LOOP = HEAD_DIM <= 128;
   // Q fragments stay in registers for the whole key loop unless Q + O fragments alone
   // would take more than 96 of the 255 registers (hd 128 at 16 rows per warp: 32 + 64 = 96;
   // larger head dims leave too little room for S, addresses and load scheduling).
@@ -156,6 +160,15 @@ __device__ void flash_fwd_kernel(const FlashFwdParams& p) {
   }
   const int full_lo = min(max((full_lo_key + BLOCK_N - 1) / BLOCK_N, s_lo), s_hi);
   const int full_hi = min(max(full_hi_key / BLOCK_N, full_lo), s_hi);
+  // Visiting order: the boundary tiles first (left ones, then right ones: the diagonal
+  // sets the row max early), then the unmasked middle. Step n visits tile_of(n).
+  const int n_left = full_lo - s_lo;
+  const int n_masked = n_left + (s_hi - full_hi);
+  const int n_steps = s_hi - s_lo;
+  auto tile_of = [&](int n) {
+    return n < n_left ? s_lo + n : (n < n_masked ? full_hi + (n - n_left)
+                                                 : full_lo + (n - n_masked));
+  };
 
   // ---- Phase 1: start the loads: this warp's Q rows, then the first STAGES-1 K/V tiles ----
   {
@@ -221,7 +234,7 @@ __device__ void flash_fwd_kernel(const FlashFwdParams& p) {
 
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
-    if (s_lo + s < s_hi) load_kv(s_lo + s, s);
+    if (s < n_steps) load_kv(tile_of(s), s);
     cp_async_commit();   // always commit: every thread counts the same groups
   }
 
@@ -272,14 +285,14 @@ __device__ void flash_fwd_kernel(const FlashFwdParams& p) {
   const SwizzledSteps<D_CHUNKS> v_steps(v_row, lane / 16);
 
   // ---- Phase 3: one key tile: S = Q K^T, (mask), online softmax, O += P V ---------------------
-  // `masked` is a literal at each of the three call sites below; the step is inlined into
-  // each loop, so the unmasked loop carries no mask code at all.
-  auto step = [&](int tile, bool masked) {
-    const int n = tile - s_lo;
+  // With SEPARATE_MASK_LOOP, `masked` is a literal at each of the two call sites below and
+  // the step is inlined into each loop, so the unmasked loop carries no mask code at all.
+  auto step = [&](int n, bool masked) {
+    const int tile = tile_of(n);
     // 3a. wait for this tile, then refill the stage every warp finished with last step
     cp_async_wait<STAGES - 2>();
     __syncthreads();
-    if (tile + STAGES - 1 < s_hi) load_kv(tile + STAGES - 1, (n + STAGES - 1) % STAGES);
+    if (n + STAGES - 1 < n_steps) load_kv(tile_of(n + STAGES - 1), (n + STAGES - 1) % STAGES);
     cp_async_commit();
     const u32 sk_base = smem_kv + (n % STAGES) * Tr::STAGE_BYTES;
     const u32 k_lane = sk_base + k_row * D_CHUNKS * 16;
@@ -399,11 +412,14 @@ __device__ void flash_fwd_kernel(const FlashFwdParams& p) {
     }
   };
 
-  // Left boundary tiles (window), the unmasked middle, right boundary tiles (causal /
-  // window diagonal and the partial last tile).
-  for (int tile = s_lo; tile < full_lo; ++tile) step(tile, true);
-  for (int tile = full_lo; tile < full_hi; ++tile) step(tile, false);
-  for (int tile = full_hi; tile < s_hi; ++tile) step(tile, true);
+  // Boundary tiles (window's left edge, causal / window diagonal, partial last tile), then
+  // the unmasked middle.
+  if constexpr (Tr::SEPARATE_MASK_LOOP) {
+    for (int n = 0; n < n_masked; ++n) step(n, true);
+    for (int n = n_masked; n < n_steps; ++n) step(n, false);
+  } else {
+    for (int n = 0; n < n_steps; ++n) step(n, n < n_masked);   // uniform branch per tile
+  }
   cp_async_wait<0>();   // nothing may still be writing shared memory when the block exits
 
   // ---- Phase 4: finish the rows: quad-sum, one division, lse --------------------------------

@@ -1,8 +1,7 @@
-// Paged-attention decode: one query token per sequence attends to its keys and values held
-// in vLLM's paged KV cache (x-major K blocks, dim-major V blocks, a block table per sequence).
-// The split into v1 (whole sequence per thread block) and v2 (partitions + a reduce) follows
-// vLLM's paged_attention kernels; unlike them, one thread block serves every query head of a
-// KV-head group, so each K/V byte is read from memory once, whatever the GQA ratio.
+// Paged-attention decode: one query token per sequence over vLLM's paged KV cache (x-major K,
+// dim-major V, a block table per sequence). v1 (whole sequence per thread block) and v2
+// (partitions + a reduce) follow vLLM's paged_attention kernels; unlike them, one thread block
+// serves every query head of a KV-head group, so each K/V byte is read from memory once.
 #pragma once
 #include "common/types.cuh"
 #include "common/softmax.cuh"
@@ -74,8 +73,10 @@ struct PagedTraits {
   static constexpr int NG = HEAD_SIZE / X;                  // x-vectors per token
   static constexpr int TGS = 32 / BLOCK_SIZE;               // lanes per token
   static constexpr int NGT = (NG + TGS - 1) / TGS;          // x-vectors per lane per block
-  static constexpr int KU_RAW = 8 / NGT;                    // blocks per warp per step, so
-  static constexpr int KU = KU_RAW < 1 ? 1 : (KU_RAW > 4 ? 4 : KU_RAW);  // ~8 loads in flight
+  // Blocks per warp per step: ~8 loads in flight per lane, at most 16 unpacked K floats.
+  static constexpr int KU_RAW = 8 / NGT;
+  static constexpr int KU_MAX = 16 / X;
+  static constexpr int KU = KU_RAW < 1 ? 1 : (KU_RAW > KU_MAX ? KU_MAX : KU_RAW);
   // V: the whole thread block reads consecutive vectors of VL tokens of one dim; VSLOTS
   // groups of V_VECS threads each take a cache block, each thread UV blocks per step.
   static constexpr int VL = X < BLOCK_SIZE ? X : BLOCK_SIZE;   // tokens per V load
@@ -84,7 +85,14 @@ struct PagedTraits {
   static constexpr int V_VECS = HEAD_SIZE * VPR;               // loads per cache block
   static constexpr int VSLOTS = NUM_THREADS >= V_VECS ? NUM_THREADS / V_VECS : 1;
   static constexpr int VPT = NUM_THREADS >= V_VECS ? 1 : (V_VECS + NUM_THREADS - 1) / NUM_THREADS;
-  static constexpr int UV_RAW = 8 / VPT;
+  // fp8 -> float is a hardware conversion from sm_89 on; before it, the software conversion
+  // needs registers, so fp8 V loads go 4 blocks deep instead of 8 there.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 890
+  static constexpr int UV_DEPTH = sizeof(CACHE_T) == 1 ? 4 : 8;
+#else
+  static constexpr int UV_DEPTH = 8;
+#endif
+  static constexpr int UV_RAW = UV_DEPTH / VPT;
   static constexpr int UV = UV_RAW < 1 ? 1 : UV_RAW;
   static_assert(HEAD_SIZE % X == 0, "head size must be a multiple of the 16-byte x-vector");
   static_assert(BLOCK_SIZE <= 32 && 32 % BLOCK_SIZE == 0, "block size 8, 16 or 32");
@@ -121,6 +129,8 @@ __device__ void paged_attention_kernel(const PagedParams& p) {
   __shared__ float red_s[NUM_WARPS * GROUP];
   __shared__ float inv_sum_s[GROUP];   // v_scale / sum
   __shared__ float sum_s[GROUP];
+  __shared__ float max_s[GROUP];       // row max (log2 domain), for the lse
+  __shared__ float slope_s[GROUP];     // ALiBi slopes x log2(e)
   extern __shared__ __align__(16) float logits[];           // [GROUP][logits_stride]
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
@@ -154,10 +164,7 @@ __device__ void paged_attention_kernel(const PagedParams& p) {
   const T* q = static_cast<const T*>(p.q) + seq * p.q_stride_seq;
   for (int i = tid; i < GROUP * HEAD_SIZE; i += NUM_THREADS)
     q_s[i] = to_float(q[(head0 + i / HEAD_SIZE) * p.q_stride_head + i % HEAD_SIZE]) * p.scale_log2;
-  float slope[GROUP];
-#pragma unroll
-  for (int h = 0; h < GROUP; ++h)
-    slope[h] = ALIBI ? static_cast<const float*>(p.alibi_slopes)[head0 + h] * kLog2e : 0.f;
+  if (ALIBI && tid < GROUP) slope_s[tid] = static_cast<const float*>(p.alibi_slopes)[head0 + tid] * kLog2e;
   __syncthreads();
 
   // ---- logits = q . k for every token of the range, every head of the group -----------------
@@ -220,7 +227,7 @@ __device__ void paged_attention_kernel(const PagedParams& p) {
 #pragma unroll
         for (int h = 0; h < GROUP; ++h) {
           float l = acc[u][h];
-          if (ALIBI) l += slope[h] * float(t - seq_len + 1);
+          if (ALIBI) l += slope_s[h] * float(t - seq_len + 1);
           l = t < end_tok ? l : neg_inf();                      // a select: NaN K stays out
           logits[h * LS + b * BLOCK_SIZE + k_tok] = l;
           qk_max[h] = fmaxf(qk_max[h], l);
@@ -244,6 +251,12 @@ __device__ void paged_attention_kernel(const PagedParams& p) {
     row_max[h] = red_s[h];
 #pragma unroll
     for (int w = 1; w < NUM_WARPS; ++w) row_max[h] = fmaxf(row_max[h], red_s[w * GROUP + h]);
+  }
+  if (tid < GROUP) {
+    float m = row_max[0];
+#pragma unroll
+    for (int h = 1; h < GROUP; ++h) m = tid == h ? row_max[h] : m;
+    max_s[tid] = m;
   }
   __syncthreads();   // red_s is reused below
   const int num_logits = num_blks * BLOCK_SIZE;
@@ -366,10 +379,7 @@ __device__ void paged_attention_kernel(const PagedParams& p) {
     }
   }
   if (tid < GROUP) {
-    float m = row_max[0];
-#pragma unroll
-    for (int h = 1; h < GROUP; ++h) m = tid == h ? row_max[h] : m;
-    const float lse = (m + __log2f(sum_s[tid])) * kLn2;   // natural log
+    const float lse = (max_s[tid] + __log2f(sum_s[tid])) * kLn2;   // natural log
     if (V2) {
       static_cast<float*>(const_cast<void*>(p.tmp_lse))[(row0 + tid) * p.max_parts + part] = lse;
     } else if (p.lse != nullptr) {

@@ -1,0 +1,91 @@
+"""Decode benchmark: cuattn.paged_attention v1 / v2 / auto on DESIGN.md's standard shapes.
+
+bf16, 32 query heads, 8 and 32 KV heads, head 128, block 16. Each configuration's block
+tables are a random permutation (blocks drawn without repetition) of a cache much larger
+than L2, and L2 is flushed before every rep, so K/V come from memory. Bandwidth counts the
+K+V bytes that must be read: batch * ctx * kv_heads * 128 * 2 B * 2.
+
+    python -m bench.suite_decode [--quick]
+"""
+from __future__ import annotations
+
+import sys
+
+import cupy
+import ml_dtypes
+import numpy as np
+
+from bench.harness import Ceilings, format_table, host_us_per_call, measure_ceilings, median_ms
+
+NUM_HEADS = 32
+HEAD_SIZE = 128
+BLOCK_SIZE = 16
+KV_HEADS = (8, 32)
+CONFIGS = [(1, 4096), (8, 4096), (32, 4096), (64, 4096), (128, 2048), (1, 32768), (8, 32768),
+           (32, 16384)]
+QUICK_CONFIGS = [(1, 4096), (32, 4096), (1, 32768), (8, 32768)]
+MIN_CACHE_BYTES = 1 << 30          # >> the H200's 60 MB L2
+VERSIONS = ("v1", "v2", "auto")
+
+
+def _auto_pick(batch: int, kv_heads: int, ctx: int) -> str:
+    """What version="auto" runs for this shape (cuattn.paged's own rule)."""
+    from cuattn.paged import auto_version
+    return auto_version((batch, NUM_HEADS, HEAD_SIZE), ml_dtypes.bfloat16, kv_heads, BLOCK_SIZE,
+                        ctx // BLOCK_SIZE, device_id=cupy.cuda.Device().id)
+
+
+def run(ceilings: Ceilings, quick: bool) -> list[dict]:
+    import cuattn
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    configs = QUICK_CONFIGS if quick else CONFIGS
+    rows: list[dict] = []
+    for kvh in KV_HEADS:
+        block_bytes = 2 * kvh * HEAD_SIZE * BLOCK_SIZE * bf16.itemsize      # K + V
+        needed = max(b * c for b, c in configs) // BLOCK_SIZE
+        num_blocks = max(needed, -(-MIN_CACHE_BYTES // block_bytes))
+        kshape, vshape = cuattn.paged_kv_cache_shapes(num_blocks, kvh, HEAD_SIZE, BLOCK_SIZE, bf16)
+        k_cache = cupy.empty(kshape, dtype=bf16)
+        v_cache = cupy.empty(vshape, dtype=bf16)
+        # Speed does not depend on the values; a constant fill (bf16 0.75) costs no scratch
+        # memory even for the 8.6 GB cache of 32 KV heads.
+        k_cache.view(np.uint16).fill(0x3F40)
+        v_cache.view(np.uint16).fill(0x3F40)
+        for batch, ctx in configs:
+            nblk = ctx // BLOCK_SIZE
+            perm = cupy.random.permutation(num_blocks)[: batch * nblk].astype(np.int32)
+            block_tables = perm.reshape(batch, nblk)
+            seq_lens = cupy.full((batch,), ctx, dtype=np.int32)
+            q = cupy.random.standard_normal((batch, NUM_HEADS, HEAD_SIZE), dtype=np.float32).astype(bf16)
+            out = cupy.empty_like(q)
+            kv_bytes = batch * ctx * kvh * HEAD_SIZE * bf16.itemsize * 2
+            for version in VERSIONS:
+                def call(version=version):
+                    cuattn.paged_attention(q, k_cache, v_cache, block_tables, seq_lens,
+                                           version=version, out=out)
+                row = {"kv heads": kvh, "batch": batch, "ctx": ctx, "K+V MB": kv_bytes / 1e6,
+                       "version": version if version != "auto" else f"auto ({_auto_pick(batch, kvh, ctx)})"}
+                try:
+                    call()
+                except ValueError as e:          # v1 past its shared-memory limit
+                    row.update({"us": None, "GB/s": None, "% read BW": None,
+                                "note": str(e).split(";")[0][:60]})
+                    rows.append(row)
+                    continue
+                ms = median_ms(call, n_warmup=5, n_repeat=30, flush_l2=True)
+                gbps = kv_bytes / ms / 1e6
+                row.update({"us": ms * 1e3, "GB/s": gbps,
+                            "% read BW": 100.0 * gbps / ceilings.read_gbps})
+                if batch == 1 and ctx == 4096:   # small work: the launch path is what shows
+                    row["host us/call"] = host_us_per_call(call, n=500)
+                rows.append(row)
+        del k_cache, v_cache
+        cupy.get_default_memory_pool().free_all_blocks()
+    return rows
+
+
+if __name__ == "__main__":
+    quick = "--quick" in sys.argv
+    ceil = measure_ceilings(quick=quick)
+    print(format_table([ceil.row()], "ceilings"))
+    print(format_table(run(ceil, quick), "paged decode, bf16, 32 q heads, head 128, block 16"))

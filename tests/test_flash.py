@@ -1,0 +1,425 @@
+"""flash_forward / flash_varlen_forward.
+
+CPU (CI): every shipped variant and every compiled head dim x mask x split form compiles
+for sm_90 with no spills and no stack; a representative few for sm_80 / sm_86 / sm_89;
+tile choices fit each architecture's shared memory; host arrays are refused.
+GPU (marker ``gpu``): the sweep of issue 3 against a float64 reference (CuPy on the device,
+NumPy for a few small shapes) with FlashAttention's tolerance rule, outputs poisoned with
+NaN first; bad inputs raise before any launch.
+Run the GPU part with: python -m pytest -q -m gpu tests/test_flash.py
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import cuattn
+from cuattn import flash, tuning
+from cuattn.jit import compile_variant
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+F16 = np.dtype(np.float16)
+SMEM_LIMIT = {"sm_80": 163 * 1024, "sm_86": 99 * 1024, "sm_89": 99 * 1024,
+              "sm_90": 227 * 1024}
+
+
+# ---- CPU: compilation -----------------------------------------------------------------------
+
+def _check_resources(variant, arch):
+    t0 = time.perf_counter()
+    res = compile_variant(variant, arch).resources()[variant.name]
+    elapsed = time.perf_counter() - t0
+    print(f"{arch} {variant.name}: {res.registers} regs, {elapsed:.2f}s")
+    assert res.spill_stores == 0 and res.spill_loads == 0, (variant.name, arch, res)
+    assert res.stack_bytes == 0, (variant.name, arch, res)
+    assert res.registers <= 255
+    return res
+
+
+@pytest.mark.parametrize("variant", flash.shipped_variants("sm_90"), ids=lambda v: v.name)
+def test_shipped_variants_compile_for_sm90_without_spills(variant):
+    _check_resources(variant, "sm_90")
+
+
+# Every compiled head dim x {none, causal, window} x {final, split}, bf16 (fp16 generates
+# the same code but for the mma type): what a user can reach compiles cleanly too.
+_ALL_FORMS = [(hd, mode, split) for hd in tuning.FLASH_HEAD_DIMS for mode in "ncw"
+              for split in (False, True)]
+
+
+@pytest.mark.parametrize("hd,mode,split", _ALL_FORMS,
+                         ids=[f"hd{h}-{m}-{'split' if s else 'final'}" for h, m, s in _ALL_FORMS])
+def test_every_form_compiles_for_sm90_without_spills(hd, mode, split):
+    v = flash.forward_variant("bf16", hd, causal=mode == "c", window=mode == "w", split=split,
+                              arch="sm_90")
+    _check_resources(v, "sm_90")
+
+
+_OLDER = [("sm_80", "bf16", 128, "c", False), ("sm_80", "f16", 256, "n", True),
+          ("sm_86", "bf16", 128, "w", False), ("sm_86", "f16", 64, "c", True),
+          ("sm_89", "bf16", 64, "n", False), ("sm_89", "bf16", 256, "c", False)]
+
+
+@pytest.mark.parametrize("arch,dt,hd,mode,split", _OLDER,
+                         ids=["-".join(map(str, c)) for c in _OLDER])
+def test_representative_variants_compile_for_older_archs(arch, dt, hd, mode, split):
+    v = flash.forward_variant(dt, hd, causal=mode == "c", window=mode == "w", split=split,
+                              arch=arch)
+    _check_resources(v, arch)
+
+
+@pytest.mark.parametrize("arch", sorted(SMEM_LIMIT))
+def test_tiles_fit_shared_memory_and_warp_rows(arch):
+    for hd in tuning.FLASH_HEAD_DIMS:
+        for causal in (False, True):
+            v = flash.forward_variant("bf16", hd, causal=causal, window=False, split=False,
+                                      arch=arch)
+            assert v.dynamic_smem_bytes <= SMEM_LIMIT[arch], (arch, v.name)
+            assert v.block_m % (16 * v.num_warps) == 0 and v.block_n % 16 == 0
+
+
+def test_compiled_head_dim_and_names():
+    assert [flash.compiled_head_dim(d) for d in (8, 32, 40, 64, 80, 96, 120, 128, 136, 256)] == \
+        [32, 32, 64, 64, 96, 96, 128, 128, 160, 256]
+    v = flash.forward_variant("bf16", 128, causal=True, window=False, split=False, arch="sm_90")
+    assert v.name.startswith("cuattn_flash_fwd__bf16_hd128_") and v.name.endswith("_c1")
+    with pytest.raises(ValueError):
+        flash.FlashFwdVariant("bf16", 128, 128, 64, 8, 2, causal=True, window=True, split=False)
+
+
+def test_split_rule():
+    # A full grid never splits; a few rows against long keys split; short keys never do.
+    assert flash.choose_num_splits(4000, 512, 132, 1) == 1
+    assert flash.choose_num_splits(8, 512, 132, 1) == min(-(-132 // 8), 512 // 4)
+    assert flash.choose_num_splits(8, 3, 132, 1) == 1
+    assert flash.choose_num_splits(1, 10_000, 132, 2) == tuning.FLASH_MAX_SPLITS
+
+
+def test_host_arrays_are_refused():
+    q = np.zeros((1, 4, 2, 64), np.float16)
+    with pytest.raises(TypeError, match=r"^q:"):
+        cuattn.flash_forward(q, q, q)
+    with pytest.raises(TypeError, match=r"^q:"):
+        cuattn.flash_varlen_forward(q[0], q[0], q[0], np.zeros(2, np.int32),
+                                    np.zeros(2, np.int32), 4, 4)
+
+
+# ---- references -------------------------------------------------------------------------------
+
+def _round(x, dtype, xp):
+    """Round float64 values to ``dtype`` (fp16 / bf16, nearest even) and back to float64."""
+    if np.dtype(dtype) == F16:
+        return x.astype(np.float16).astype(np.float64)
+    u = x.astype(np.float32).view(np.uint32)
+    u = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
+    return u.view(np.float32).astype(np.float64)
+
+
+def _visible(xp, sq, sk, causal, window):
+    left, right = window
+    if causal:
+        right = 0
+    i = xp.arange(sq)[:, None]
+    j = xp.arange(sk)[None, :]
+    ok = xp.ones((sq, sk), dtype=bool)
+    if left >= 0:
+        ok &= j >= i + sk - sq - left
+    if right >= 0:
+        ok &= j <= i + sk - sq + right
+    return ok
+
+
+def attention_ref(q, k, v, *, causal=False, window=(-1, -1), scale=None, lowp=None):
+    """q (B, Sq, H, D), k/v (B, Sk, Hkv, D) -> float64 out (B, Sq, H, D), lse (B, H, Sq).
+
+    lowp: the same math in the input precision: P = exp(S - max) rounded to that dtype
+    before P V, and the output rounded to it (FlashAttention's ``ref_same_precision``).
+    Works on NumPy or CuPy arrays (float64 either way).
+    """
+    xp = _xp(q)
+    d = q.shape[-1]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    group = q.shape[2] // k.shape[2]
+    qf = q.astype(np.float64)
+    kf = xp.repeat(k.astype(np.float64), group, axis=2)
+    vf = xp.repeat(v.astype(np.float64), group, axis=2)
+    s = xp.einsum("bqhd,bkhd->bhqk", qf, kf) * scale
+    ok = _visible(xp, q.shape[1], k.shape[1], causal, window)
+    s = xp.where(ok, s, -xp.inf)
+    m = s.max(axis=-1, keepdims=True) if s.shape[-1] else xp.full(s.shape[:-1] + (1,), -xp.inf)
+    m_safe = xp.where(xp.isinf(m), 0.0, m)
+    p = xp.exp(s - m_safe)
+    l = p.sum(axis=-1, keepdims=True)
+    if lowp is not None:
+        p = _round(p, lowp, xp)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        out = xp.einsum("bhqk,bkhd->bhqd", p, vf) / xp.where(l > 0, l, 1.0)
+        lse = xp.where(l > 0, m_safe + xp.log(xp.where(l > 0, l, 1.0)), -xp.inf)[..., 0]
+    out = xp.where(l > 0, out, 0.0).transpose(0, 2, 1, 3)
+    if lowp is not None:
+        out = _round(out, lowp, xp)
+    return out, lse
+
+
+def _xp(x):
+    import cupy
+    return cupy.get_array_module(x)
+
+
+def _floor(dtype):
+    return 1e-3 if np.dtype(dtype) == F16 else 5e-3
+
+
+def check_close(out, lse, q, k, v, *, causal=False, window=(-1, -1), scale=None, on_host=False):
+    """FlashAttention's rule: max|out - ref64| <= 2 max|ref_lowp - ref64| + floor; lse too."""
+    import cupy
+    conv = cupy.asnumpy if on_host else (lambda a: a)
+    qq, kk, vv = (conv(x) for x in (q, k, v))
+    ref, ref_lse = attention_ref(qq, kk, vv, causal=causal, window=window, scale=scale)
+    ref_lp, _ = attention_ref(qq, kk, vv, causal=causal, window=window, scale=scale,
+                              lowp=q.dtype)
+    got = cupy.asarray(out).astype(np.float64)
+    ref, ref_lp = cupy.asarray(ref), cupy.asarray(ref_lp)
+    assert not bool(cupy.isnan(got).any()), "an output element was not written (NaN poison)"
+    err = float(cupy.abs(got - ref).max()) if got.size else 0.0
+    err_lp = float(cupy.abs(ref_lp - ref).max()) if got.size else 0.0
+    assert err <= 2 * err_lp + _floor(q.dtype), f"out error {err:.3g} vs lowp ref {err_lp:.3g}"
+    if lse is not None:
+        ref_lse = cupy.asarray(ref_lse)
+        got_lse = cupy.asarray(lse).astype(np.float64)
+        assert got_lse.shape == ref_lse.shape
+        empty = cupy.isinf(ref_lse)
+        assert bool((cupy.isneginf(got_lse) == empty).all()), "empty rows must have lse = -inf"
+        if bool((~empty).any()):
+            lse_err = float(cupy.abs(got_lse - ref_lse)[~empty].max())
+            assert lse_err <= 2e-3 * max(1.0, float(cupy.abs(ref_lse[~empty]).max())), lse_err
+    return err, err_lp
+
+
+def _randn(rng, shape, dtype):
+    import cupy
+    return cupy.asarray(rng.standard_normal(shape, dtype=np.float32).astype(dtype))
+
+
+def _poisoned(shape, dtype):
+    import cupy
+    return cupy.full(shape, np.nan, dtype=np.float32).astype(dtype)
+
+
+HEAD_CONFIGS = {"mha": (4, 4), "gqa": (6, 2), "mqa": (4, 1)}
+
+
+# ---- GPU: the sweep ----------------------------------------------------------------------------
+
+SHAPES = [(113, 203), (128, 217), (1, 147), (1023, 1024), (1024, 1023), (512, 256), (2048, 2048)]
+HEAD_DIMS = [32, 64, 80, 96, 128, 256]
+_SWEEP = [(hd, sq, sk, causal) for hd in HEAD_DIMS for sq, sk in SHAPES for causal in (False, True)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hd,sq,sk,causal", _SWEEP,
+                         ids=[f"d{h}-{a}x{b}-{'c' if c else 'nc'}" for h, a, b, c in _SWEEP])
+def test_sweep(rng, hd, sq, sk, causal):
+    # dtype and head layout rotate through the cases so that every head dim meets both
+    # dtypes and all of MHA / GQA / MQA without the full cartesian product.
+    idx = _SWEEP.index((hd, sq, sk, causal))
+    dtype = (F16, BF16)[idx % 2]
+    h, hkv = list(HEAD_CONFIGS.values())[(idx // 2) % 3]
+    batch = 1 if sq * sk > 1 << 20 else 2
+    q = _randn(rng, (batch, sq, h, hd), dtype)
+    k = _randn(rng, (batch, sk, hkv, hd), dtype)
+    v = _randn(rng, (batch, sk, hkv, hd), dtype)
+    out = _poisoned(q.shape, dtype)
+    res, lse = cuattn.flash_forward(q, k, v, causal=causal, return_lse=True, out=out)
+    assert res is out
+    check_close(out, lse, q, k, v, causal=causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=["f16", "bf16"])
+def test_small_against_numpy_float64(rng, dtype):
+    q = _randn(rng, (2, 37, 4, 64), dtype)
+    k = _randn(rng, (2, 91, 2, 64), dtype)
+    v = _randn(rng, (2, 91, 2, 64), dtype)
+    out, lse = cuattn.flash_forward(q, k, v, causal=True, return_lse=True)
+    check_close(out, lse, q, k, v, causal=True, on_host=True)
+
+
+_WINDOWS = [((32, -1), False), ((16, 8), False), ((0, 0), False), ((40, 0), True),
+            ((100, 300), False), ((-1, 5), False)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hd", [64, 128, 256])
+@pytest.mark.parametrize("sq,sk", [(113, 203), (1024, 1023), (1, 147)])
+@pytest.mark.parametrize("window,causal", _WINDOWS, ids=[f"w{w[0]}_{w[1]}{'c' if c else ''}"
+                                                         for w, c in _WINDOWS])
+def test_window(rng, hd, sq, sk, window, causal):
+    dtype = BF16 if hd != 128 else F16
+    q = _randn(rng, (2, sq, 4, hd), dtype)
+    k = _randn(rng, (2, sk, 2, hd), dtype)
+    v = _randn(rng, (2, sk, 2, hd), dtype)
+    out = _poisoned(q.shape, dtype)
+    _, lse = cuattn.flash_forward(q, k, v, causal=causal, window_size=window, return_lse=True,
+                                  out=out)
+    check_close(out, lse, q, k, v, causal=causal, window=window)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hd", [64, 128])
+def test_strided_bhsd_views_and_scale(rng, hd):
+    import cupy
+    dtype = BF16
+    qb = _randn(rng, (2, 4, 300, hd), dtype)          # (B, H, S, D) storage
+    kb = _randn(rng, (2, 2, 257, hd), dtype)
+    vb = _randn(rng, (2, 2, 257, hd), dtype)
+    q, k, v = (x.transpose(0, 2, 1, 3) for x in (qb, kb, vb))
+    out_store = _poisoned((2, 4, 300, hd), dtype)
+    out = out_store.transpose(0, 2, 1, 3)
+    _, lse = cuattn.flash_forward(q, k, v, causal=True, softmax_scale=0.3, return_lse=True,
+                                  out=out)
+    check_close(out, lse, cupy.ascontiguousarray(q), k, v, causal=True, scale=0.3)
+
+
+@pytest.mark.gpu
+def test_seqlen_k_zero_and_no_key_rows(rng):
+    import cupy
+    q = _randn(rng, (1, 16, 2, 64), F16)
+    k = _randn(rng, (1, 0, 2, 64), F16)
+    out, lse = cuattn.flash_forward(q, k, k, return_lse=True, out=_poisoned(q.shape, F16))
+    assert bool((out == 0).all()) and bool(cupy.isneginf(lse).all())
+    # causal with sq > sk: the first sq - sk rows see no key
+    k = _randn(rng, (1, 5, 2, 64), F16)
+    v = _randn(rng, (1, 5, 2, 64), F16)
+    out, lse = cuattn.flash_forward(q, k, v, causal=True, return_lse=True,
+                                    out=_poisoned(q.shape, F16))
+    assert bool((out[:, :11] == 0).all()) and bool(cupy.isneginf(lse[:, :, :11]).all())
+    check_close(out, lse, q, k, v, causal=True)
+
+
+def _pack_varlen(rng, lens_q, lens_k, h, hkv, hd, dtype):
+    import cupy
+    cu_q = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int32)
+    q = _randn(rng, (int(cu_q[-1]), h, hd), dtype)
+    k = _randn(rng, (int(cu_k[-1]), hkv, hd), dtype)
+    v = _randn(rng, (int(cu_k[-1]), hkv, hd), dtype)
+    return q, k, v, cu_q, cu_k, cupy.asarray(cu_q), cupy.asarray(cu_k)
+
+
+_VARLEN = [([0, 1, 77, 300, 5], [0, 130, 1, 300, 700]), ([1, 1, 1], [1000, 0, 2049]),
+           ([513, 0, 64], [513, 9, 64])]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lens", _VARLEN, ids=["mixed", "decode-like", "with-empty"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_varlen(rng, lens, causal, num_splits):
+    import cupy
+    lens_q, lens_k = lens
+    dtype = BF16 if causal else F16
+    h, hkv, hd = 4, 2, 96
+    q, k, v, cu_q, cu_k, dcu_q, dcu_k = _pack_varlen(rng, lens_q, lens_k, h, hkv, hd, dtype)
+    out = _poisoned(q.shape, dtype)
+    _, lse = cuattn.flash_varlen_forward(q, k, v, dcu_q, dcu_k, max(lens_q), max(lens_k),
+                                         causal=causal, return_lse=True, out=out,
+                                         num_splits=num_splits)
+    assert lse.shape == (h, q.shape[0])
+    for b in range(len(lens_q)):
+        qs, qe, ks, ke = cu_q[b], cu_q[b + 1], cu_k[b], cu_k[b + 1]
+        if qe == qs:
+            continue
+        check_close(out[None, qs:qe], lse[None, :, qs:qe], q[None, qs:qe], k[None, ks:ke],
+                    v[None, ks:ke], causal=causal)
+    assert not bool(cupy.isnan(out).any())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hd,sq,sk,causal", [(128, 1, 8192, False), (64, 16, 5000, True),
+                                             (256, 3, 3000, False), (96, 200, 4096, True)])
+def test_num_splits_match_unsplit(rng, hd, sq, sk, causal):
+    import cupy
+    dtype = BF16
+    q = _randn(rng, (2, sq, 8, hd), dtype)
+    k = _randn(rng, (2, sk, 2, hd), dtype)
+    v = _randn(rng, (2, sk, 2, hd), dtype)
+    base, base_lse = cuattn.flash_forward(q, k, v, causal=causal, num_splits=1, return_lse=True)
+    for n in (0, 2, 7):
+        out = _poisoned(q.shape, dtype)
+        _, lse = cuattn.flash_forward(q, k, v, causal=causal, num_splits=n, return_lse=True,
+                                      out=out)
+        diff = float(cupy.abs(out.astype(np.float32) - base.astype(np.float32)).max())
+        assert diff <= 2 * _floor(dtype), (n, diff)
+        assert float(cupy.abs(lse - base_lse).max()) <= 1e-3
+    check_close(out, lse, q, k, v, causal=causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_two_identical_calls_are_bit_identical(rng, num_splits):
+    import cupy
+    q = _randn(rng, (2, 333, 4, 128), BF16)
+    k = _randn(rng, (2, 1500, 4, 128), BF16)
+    v = _randn(rng, (2, 1500, 4, 128), BF16)
+    a, la = cuattn.flash_forward(q, k, v, causal=True, num_splits=num_splits, return_lse=True)
+    b, lb = cuattn.flash_forward(q, k, v, causal=True, num_splits=num_splits, return_lse=True)
+    assert bool((a.view(np.uint16) == b.view(np.uint16)).all())
+    assert bool((la.view(np.uint32) == lb.view(np.uint32)).all())
+
+
+@pytest.mark.gpu
+def test_stream_argument_and_empty_batch(rng):
+    import cupy
+    q = _randn(rng, (1, 64, 2, 64), F16)
+    s = cupy.cuda.Stream(non_blocking=True)
+    out = cuattn.flash_forward(q, q, q, stream=s)
+    s.synchronize()
+    check_close(out, None, q, q, q)
+    empty = cupy.empty((0, 10, 2, 64), F16)
+    assert cuattn.flash_forward(empty, empty, empty).shape == (0, 10, 2, 64)
+
+
+# ---- GPU: bad inputs raise before any launch -----------------------------------------------
+
+@pytest.mark.gpu
+def test_bad_inputs_name_the_argument():
+    import cupy
+    q = cupy.zeros((1, 8, 4, 64), F16)
+    kv = cupy.zeros((1, 8, 2, 64), F16)
+    cases = [
+        (TypeError, "q", lambda: cuattn.flash_forward(q.astype(np.float32), kv, kv)),
+        (TypeError, "k", lambda: cuattn.flash_forward(q, kv.astype(BF16), kv)),
+        (ValueError, "q", lambda: cuattn.flash_forward(q[0], kv, kv)),
+        (ValueError, "k", lambda: cuattn.flash_forward(q, kv[0], kv)),
+        (ValueError, "k", lambda: cuattn.flash_forward(cupy.zeros((1, 8, 6, 64), F16),
+                                                       cupy.zeros((1, 8, 4, 64), F16),
+                                                       cupy.zeros((1, 8, 4, 64), F16))),
+        (ValueError, "q", lambda: cuattn.flash_forward(*(cupy.zeros((1, 8, 2, 260), F16),) * 3)),
+        (ValueError, "q", lambda: cuattn.flash_forward(*(cupy.zeros((1, 8, 2, 12), F16),) * 3)),
+        (ValueError, "q", lambda: cuattn.flash_forward(cupy.zeros((1, 8, 4, 128), F16)[..., ::2],
+                                                       kv, kv)),
+        (ValueError, "out", lambda: cuattn.flash_forward(q, kv, kv,
+                                                         out=cupy.zeros((1, 8, 4, 32), F16))),
+        (TypeError, "out", lambda: cuattn.flash_forward(q, kv, kv,
+                                                        out=cupy.zeros(q.shape, BF16))),
+        (ValueError, "v", lambda: cuattn.flash_forward(q, kv, kv[:, :4])),
+        (ValueError, "window_size", lambda: cuattn.flash_forward(q, kv, kv, window_size=(-2, 0))),
+        (TypeError, "window_size", lambda: cuattn.flash_forward(q, kv, kv, window_size=3)),
+        (ValueError, "num_splits", lambda: cuattn.flash_forward(q, kv, kv, num_splits=-1)),
+        (ValueError, "softmax_scale", lambda: cuattn.flash_forward(q, kv, kv,
+                                                                   softmax_scale=float("nan"))),
+        (TypeError, "cu_seqlens_q", lambda: cuattn.flash_varlen_forward(
+            q[0], kv[0], kv[0], cupy.zeros(2, np.int64), cupy.zeros(2, np.int32), 8, 8)),
+        (ValueError, "cu_seqlens_k", lambda: cuattn.flash_varlen_forward(
+            q[0], kv[0], kv[0], cupy.zeros(2, np.int32), cupy.zeros(3, np.int32), 8, 8)),
+        (TypeError, "max_seqlen_q", lambda: cuattn.flash_varlen_forward(
+            q[0], kv[0], kv[0], cupy.zeros(2, np.int32), cupy.zeros(2, np.int32), 8.0, 8)),
+    ]
+    for exc, name, call in cases:
+        with pytest.raises(exc, match=rf"^{name}:"):
+            call()
