@@ -36,25 +36,39 @@ def _torch():
 
 
 def _sdpa_ms(tt, q, k, v, causal, backend_name):
-    """Median ms of torch SDPA with one backend, on CuPy's stream, or None if it refuses."""
+    """Median ms of torch SDPA with one backend, or None if it refuses the shape.
+
+    Timed with torch's own events on torch's current stream (median of 20 after warm-up),
+    so no stream is shared between the two libraries.
+    """
     torch, SDPBackend, sdpa_kernel = tt
     backend = getattr(SDPBackend, backend_name, None)
     if backend is None:
         return None
+    cupy.cuda.get_current_stream().synchronize()
     # (B, S, H, D) CuPy -> torch without a copy -> (B, H, S, D) views.
     tq, tk, tv = (torch.from_dlpack(x).transpose(1, 2) for x in (q, k, v))
-    stream = torch.cuda.ExternalStream(cupy.cuda.get_current_stream().ptr)
 
     def call():
-        with torch.cuda.stream(stream), sdpa_kernel(backend):
-            torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
+        with sdpa_kernel(backend):
+            return torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
 
     try:
         call()
         torch.cuda.synchronize()
     except Exception:   # backend not built / not supported for this shape
         return None
-    return median_ms(call, n_warmup=5, n_repeat=20)
+    for _ in range(5):
+        call()
+    times = []
+    for _ in range(20):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        call()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop))
+    return float(np.median(times))
 
 
 def _naive(q, k, v, causal):

@@ -50,7 +50,8 @@ def check_dtype(x: cupy.ndarray, dtype, name: str) -> None:
 
 def check_last_dim_contiguous(x: cupy.ndarray, name: str) -> None:
     """The last dimension must have unit stride; the others are free."""
-    if x.ndim and x.shape[-1] > 1 and x.strides[-1] != x.itemsize:
+    # (an empty array has no layout to speak of: CuPy gives it all-zero strides)
+    if x.size and x.shape[-1] > 1 and x.strides[-1] != x.itemsize:
         raise ValueError(f"{name}: the last dimension must be contiguous "
                          f"(stride {x.itemsize} bytes), got strides {x.strides}")
 
