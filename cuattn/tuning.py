@@ -19,15 +19,18 @@ MERGE_SHIPPED_HEAD_SIZES = (64, 128, 256)
 # Shared memory = Q tile + STAGES x (K tile + V tile) = 2 bytes x HEAD_DIM x
 # (BLOCK_M + 2 x STAGES x BLOCK_N); limits per block: sm_90 227 KB, sm_80 163 KB,
 # sm_86/sm_89 99 KB (and 228 / 164 / 100 KB per SM).
-# FIRST GUESSES, NOT YET MEASURED (chosen on a machine with no GPU from the ptxas report:
-# registers <= 255 with zero spills at sm_90, shared memory under each architecture's
-# limit). The shape follows FlashAttention-2's occupancy: blocks of 4 warps at <= 255
-# registers, so two blocks (8 warps) are resident per SM and one block's __syncthreads /
-# softmax overlaps the other's MMAs. The alternative to measure first is 128 rows x 8
-# warps (one block per SM, each K/V tile shared by twice the rows): e.g. hd128
-# FlashTiles(128, 64, 8, 2) compiles at 236-253 registers, no spills.
-# Registers per thread at sm_90 (bf16; none / causal / window) are noted per line.
-# Replace each line with the H200 measurement.
+# The shape follows FlashAttention-2's occupancy: blocks of 4 warps at <= 255 registers,
+# so two blocks (8 warps) are resident per SM and one block's __syncthreads / softmax
+# overlaps the other's MMAs. hd64 and hd128 are MEASURED on the H200 (bench/lab/
+# flash_sweep.py, bf16, TFLOP/s at S=4096 / 16384, full | causal; bench/NOTES.md):
+#   hd64:  64x128x4w2s 280/286 | 267/304   64x64x4w2s 282/301 | 278/306
+#          64x64x4w3s  302/313 | 280/308   128x64x8w2s 240/250 | 222/251
+#   hd128: 64x64x4w2s  319/353 | 308/358   64x64x4w3s 331/350 | 306/356
+#          128x64x8w2s 305/313 | 274/317   64x32x4w2s 296/306 | 273/314
+# 8 warps x 128 rows (one block per SM) lost everywhere. The other head dims are first
+# guesses from the ptxas report (registers <= 255 with zero spills at sm_90, shared
+# memory under each architecture's limit). Registers per thread at sm_90 (bf16;
+# none / causal / window) are noted per line.
 from dataclasses import dataclass as _dataclass
 
 
@@ -46,9 +49,9 @@ FLASH_HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
 # sm_90 / sm_80 (>= 163 KB of shared memory per block, 2 blocks per SM fit).
 _FLASH_BIG_SMEM = {
     32: FlashTiles(64, 128, 4, 2),     # 142 / 168 / 147 regs, smem 36 KB
-    64: FlashTiles(64, 128, 4, 2),     # 205 / 234 / 206 regs, smem 72 KB
+    64: FlashTiles(64, 64, 4, 3),      # 162 / 168 regs, smem 56 KB; measured best (above)
     96: FlashTiles(64, 64, 4, 2),      # 217 / 225 / 231 regs, smem 60 KB
-    128: FlashTiles(64, 64, 4, 2),     # 238 / 240 / 255 regs, smem 80 KB
+    128: FlashTiles(64, 64, 4, 2),     # 238 / 240 / 255 regs, smem 80 KB; measured best
     # Above 128, Q fragments are re-read from shared memory each k16 step (Q + O would
     # not fit in registers) and the key loop is one loop with a uniform mask branch.
     160: FlashTiles(64, 64, 4, 2),     # 248 / 249 / 250 regs, smem 100 KB (1 block/SM on sm_80)
@@ -95,6 +98,34 @@ FLASH_SHIPPED_HEAD_DIMS = (64, 96, 128, 256)
 # flight per lane; V phase the whole thread block reads one block's V (head 128, block 16,
 # bf16 = 256 vectors) per step, 8 blocks deep.
 PAGED_NUM_THREADS = 256
+# Software pipeline of the K and V loads (cuda_src/paged_attention.cuh, PIPELINE): each
+# register of a step's K (V) vectors is refilled with the next step's vector as soon as it has
+# been unpacked, and the first V batch is issued before the softmax. Written on a CPU-only
+# machine against the H200 table in bench/NOTES_decode.md (kvh 8 = group 4 at 70-77% of read
+# BW at batch x ctx >= 128k, 54% at 1 x 32768): predicted to raise group 4 the most, since its
+# longer math per step left loads idle. UNMEASURED: bench/lab/decode_sweep.py times both;
+# set to the winner.
+# Bit 0: K rotation, bit 1: V rotation + the early first V batch. Compiled for sm_90
+# (bf16 hd128 bs16 p512): bit 1 alone costs no register (g4: 118, g1: 92 at min_blocks 2);
+# bit 0 makes ptxas double-buffer under the 128-register cap of min_blocks 2 and spill
+# (g4: 128 regs, 36 B), while with plain __launch_bounds__(256) it picks g4 100 / g1 97
+# registers without spills -- still two 256-thread blocks per SM -- hence paged_min_blocks.
+PAGED_PIPELINE = 3
+# K rotation only where a warp step holds few K vectors per lane: with more (block 32, head
+# >= 192) the doubled live vectors spilled even at 255 registers (hd256 bs16 g4,
+# hd96/hd256 bs32 g8), and those variants already have >= 12 loads in flight per lane.
+PAGED_PIPELINE_K_MAX_VECS = 8
+
+
+def paged_pipeline(cache_dtype: str, head_size: int, block_size: int, group: int) -> int:
+    """The PIPELINE bits of a paged_attention variant (see PAGED_PIPELINE)."""
+    x = 16 if cache_dtype == "e4m3" else 8          # elements per 16-byte x-vector
+    ngt = -(-(head_size // x) // (32 // block_size))  # K vectors per lane per cache block
+    ku = max(1, min(8 // ngt, 16 // x))              # cache blocks per warp step
+    bits = PAGED_PIPELINE
+    if ngt * ku > PAGED_PIPELINE_K_MAX_VECS:
+        bits &= ~1
+    return bits
 # Query heads served by one thread block: the largest divisor of the GQA ratio <= this.
 # Every K/V byte is read num_heads / num_kv_heads / group times (once for ratios <= 8).
 PAGED_MAX_GROUP = 8
@@ -122,7 +153,8 @@ def paged_version(num_ctas_v1: int, max_context: int, partition_size: int, num_s
     return "v2"
 
 
-def paged_min_blocks(cache_dtype: str, head_size: int, block_size: int, group: int) -> int:
+def paged_min_blocks(cache_dtype: str, head_size: int, block_size: int, group: int,
+                     pipeline: int = 0) -> int:
     """__launch_bounds__(256, min_blocks) of a paged_attention variant.
 
     A plain __launch_bounds__(256) let ptxas (NVRTC 12.x, sm_90) pick register caps of 64 or
@@ -134,4 +166,6 @@ def paged_min_blocks(cache_dtype: str, head_size: int, block_size: int, group: i
     2026-11-29; the occupancy effect is unmeasured."""
     if group >= 8 or group * head_size >= 1024 or (cache_dtype == "e4m3" and group >= 4):
         return 1
+    if pipeline & 1:
+        return 0       # K rotation: let ptxas pick (a 128 cap spills, see PAGED_PIPELINE)
     return 2

@@ -114,8 +114,17 @@ __device__ __forceinline__ void load_floats(const float* src, float (&dst)[N]) {
 // One thread block computes query heads [blockIdx.x * GROUP, +GROUP), all of one KV head, over
 // the whole sequence (PARTITION_SIZE == 0, v1) or over tokens [z * PARTITION_SIZE, +PARTITION_SIZE)
 // (v2, writing a normalised partial output and its lse for the reduce kernel).
+//
+// PIPELINE (a tuning knob, cuattn.tuning.PAGED_PIPELINE): keep HBM busy across the phases of a
+// block. false: each warp step loads its K vectors, waits, computes (loads in flight only while
+// a step waits), and the V loads start after the softmax barriers. true: register rotation --
+// as soon as a K (V) vector of the current step has been unpacked to floats, the same register
+// is refilled with the matching vector of the warp's next step, so about NGT (UV) loads per lane
+// are in flight during the math; block-table entries are read two steps ahead; the first V
+// batch is issued before the softmax reductions, overlapping them. Same registers for the
+// raw vectors, a few more for addresses.
 template <typename T, typename CACHE_T, int HEAD_SIZE, int BLOCK_SIZE, int GROUP,
-          int PARTITION_SIZE, bool ALIBI, int NUM_THREADS>
+          int PARTITION_SIZE, bool ALIBI, int NUM_THREADS, int PIPELINE>
 __device__ void paged_attention_kernel(const PagedParams& p) {
   using Tr = PagedTraits<CACHE_T, HEAD_SIZE, BLOCK_SIZE, NUM_THREADS>;
   constexpr bool V2 = PARTITION_SIZE > 0;
@@ -175,18 +184,55 @@ __device__ void paged_attention_kernel(const PagedParams& p) {
 #pragma unroll
   for (int h = 0; h < GROUP; ++h) qk_max[h] = neg_inf();
 
-  for (int b0 = warp * KU; b0 < num_blks; b0 += NUM_WARPS * KU) {
-    RawVec<16> kv[KU][NGT];
+  constexpr bool K_PIPE = (PIPELINE & 1) != 0, V_PIPE = (PIPELINE & 2) != 0;
+  constexpr int KSTEP = NUM_WARPS * KU;    // blocks per step of the whole thread block
+  const long long k_tok_off = (long long)k_tok * p.k_stride_token;
+  auto k_load = [&](const CACHE_T* src, int i) -> RawVec<16> {
+    const int g = gsub + TGS * i;
+    RawVec<16> r;
+    if (NG % TGS == 0 || g < NG) r = load_stream<16>(src + g * p.k_stride_x);
+    else r.raw = make_uint4(0, 0, 0, 0);
+    return r;
+  };
+  RawVec<16> kv[KU][NGT];
+  int phys_n[KU];   // PIPELINE: physical blocks of the warp's next step
+  if (K_PIPE) {
 #pragma unroll
     for (int u = 0; u < KU; ++u) {
-      const bool valid = b0 + u < num_blks;
-      const long long phys = valid ? __ldg(block_table + b0 + u) : 0;
-      const CACHE_T* src = k_head + phys * p.k_stride_block + k_tok * p.k_stride_token;
+      const int b = warp * KU + u;
+      const CACHE_T* src = k_head + (long long)(b < num_blks ? __ldg(block_table + b) : 0) * p.k_stride_block + k_tok_off;
 #pragma unroll
       for (int i = 0; i < NGT; ++i) {
-        const int g = gsub + TGS * i;
-        if (valid && (NG % TGS == 0 || g < NG)) kv[u][i] = load_stream<16>(src + g * p.k_stride_x);
+        if (b < num_blks) kv[u][i] = k_load(src, i);
         else kv[u][i].raw = make_uint4(0, 0, 0, 0);
+      }
+      const int bn = b + KSTEP;
+      phys_n[u] = bn < num_blks ? __ldg(block_table + bn) : 0;
+    }
+  }
+
+  for (int b0 = warp * KU; b0 < num_blks; b0 += KSTEP) {
+    const CACHE_T* src_n[KU];   // PIPELINE: the next step's K rows
+    bool valid_n[KU];
+    if (K_PIPE) {
+#pragma unroll
+      for (int u = 0; u < KU; ++u) {
+        valid_n[u] = b0 + KSTEP + u < num_blks;
+        src_n[u] = k_head + (long long)phys_n[u] * p.k_stride_block + k_tok_off;
+        const int bnn = b0 + 2 * KSTEP + u;             // two steps ahead
+        phys_n[u] = bnn < num_blks ? __ldg(block_table + bnn) : 0;
+      }
+    } else {
+#pragma unroll
+      for (int u = 0; u < KU; ++u) {
+        const bool valid = b0 + u < num_blks;
+        const long long phys = valid ? __ldg(block_table + b0 + u) : 0;
+        const CACHE_T* src = k_head + phys * p.k_stride_block + k_tok_off;
+#pragma unroll
+        for (int i = 0; i < NGT; ++i) {
+          if (valid) kv[u][i] = k_load(src, i);
+          else kv[u][i].raw = make_uint4(0, 0, 0, 0);
+        }
       }
     }
     float acc[KU][GROUP];
@@ -201,6 +247,13 @@ __device__ void paged_attention_kernel(const PagedParams& p) {
       float kf[KU][X];
 #pragma unroll
       for (int u = 0; u < KU; ++u) unpack_raw<CACHE_T, X>(kv[u][i], kf[u]);
+      if (K_PIPE) {   // kv[u][i] is free: refill it with the next step's vector
+#pragma unroll
+        for (int u = 0; u < KU; ++u) {
+          if (valid_n[u]) kv[u][i] = k_load(src_n[u], i);
+          else kv[u][i].raw = make_uint4(0, 0, 0, 0);
+        }
+      }
 #pragma unroll
       for (int h = 0; h < GROUP; ++h) {
         float qf[X];
@@ -233,6 +286,30 @@ __device__ void paged_attention_kernel(const PagedParams& p) {
           qk_max[h] = fmaxf(qk_max[h], l);
         }
       }
+    }
+  }
+
+  // ---- V setup; PIPELINE: issue the first V batch now, so it loads during the softmax -------
+  const CACHE_T* v_head = static_cast<const CACHE_T*>(p.v_cache) + kv_head * p.v_stride_head;
+  const int slot = VSLOTS > 1 ? tid / V_VECS : 0;
+  const int vt = VSLOTS > 1 ? tid % V_VECS : tid;
+  const bool v_active = VPT > 1 || tid < VSLOTS * V_VECS;
+  constexpr int VSTEP = VSLOTS * UV;   // blocks per step of the whole thread block
+  auto v_load = [&](const CACHE_T* src, int j) -> RawVec<Tr::V_BYTES> {
+    const int vec = vt + NUM_THREADS * j;
+    if (V_VECS % NUM_THREADS == 0 || vec < V_VECS)
+      return load_stream<Tr::V_BYTES>(src + (vec / VPR) * p.v_stride_dim + (vec % VPR) * VL);
+    return RawVec<Tr::V_BYTES>{};
+  };
+  RawVec<Tr::V_BYTES> vv[UV][VPT];
+  if (V_PIPE) {
+#pragma unroll
+    for (int u = 0; u < UV; ++u) {
+      const int b = slot * UV + u;
+      const bool valid = v_active && b < num_blks;
+      const CACHE_T* src = v_head + (long long)(valid ? __ldg(block_table + b) : 0) * p.v_stride_block;
+#pragma unroll
+      for (int j = 0; j < VPT; ++j) vv[u][j] = valid ? v_load(src, j) : RawVec<Tr::V_BYTES>{};
     }
   }
 
@@ -282,36 +359,33 @@ __device__ void paged_attention_kernel(const PagedParams& p) {
   }
 
   // ---- out = P . V -------------------------------------------------------------------------
-  const CACHE_T* v_head = static_cast<const CACHE_T*>(p.v_cache) + kv_head * p.v_stride_head;
-  const int slot = VSLOTS > 1 ? tid / V_VECS : 0;
-  const int vt = VSLOTS > 1 ? tid % V_VECS : tid;
-  const bool v_active = VPT > 1 || tid < VSLOTS * V_VECS;
   float vacc[VPT][GROUP];
 #pragma unroll
   for (int j = 0; j < VPT; ++j)
 #pragma unroll
     for (int h = 0; h < GROUP; ++h) vacc[j][h] = 0.f;
 
-  for (int b0 = slot * UV; b0 < num_blks; b0 += VSLOTS * UV) {
-    RawVec<Tr::V_BYTES> vv[UV][VPT];
+  for (int b0 = slot * UV; b0 < num_blks; b0 += VSTEP) {
+    int vphys_n[UV];   // PIPELINE: physical blocks of the next batch (-1: none)
+    if (V_PIPE) {
 #pragma unroll
-    for (int u = 0; u < UV; ++u) {
-      const bool valid = v_active && b0 + u < num_blks;
-      const long long phys = valid ? __ldg(block_table + b0 + u) : 0;
-      const CACHE_T* src = v_head + phys * p.v_stride_block;
+      for (int u = 0; u < UV; ++u) {
+        const int bn = b0 + VSTEP + u;
+        vphys_n[u] = v_active && bn < num_blks ? __ldg(block_table + bn) : -1;
+      }
+    } else {
 #pragma unroll
-      for (int j = 0; j < VPT; ++j) {
-        const int vec = vt + NUM_THREADS * j;
-        if (valid && (V_VECS % NUM_THREADS == 0 || vec < V_VECS))
-          vv[u][j] = load_stream<Tr::V_BYTES>(src + (vec / VPR) * p.v_stride_dim + (vec % VPR) * VL);
-        else
-          vv[u][j] = RawVec<Tr::V_BYTES>{};
+      for (int u = 0; u < UV; ++u) {
+        const bool valid = v_active && b0 + u < num_blks;
+        const CACHE_T* src = v_head + (long long)(valid ? __ldg(block_table + b0 + u) : 0) * p.v_stride_block;
+#pragma unroll
+        for (int j = 0; j < VPT; ++j) vv[u][j] = valid ? v_load(src, j) : RawVec<Tr::V_BYTES>{};
       }
     }
 #pragma unroll
     for (int u = 0; u < UV; ++u) {
       const int b = b0 + u;
-      if (!v_active || b >= num_blks) continue;
+      const bool live = v_active && b < num_blks;
       const int blk_tok0 = (start_blk + b) * BLOCK_SIZE;
       const bool tail = blk_tok0 + BLOCK_SIZE > end_tok;   // only the last block of a sequence
 #pragma unroll
@@ -321,6 +395,10 @@ __device__ void paged_attention_kernel(const PagedParams& p) {
         const int c = vec % VPR;
         float vf[VL];
         unpack_raw<CACHE_T, VL>(vv[u][j], vf);
+        if (V_PIPE)   // vv[u][j] is free: refill it with the next batch's vector
+          vv[u][j] = vphys_n[u] >= 0 ? v_load(v_head + (long long)vphys_n[u] * p.v_stride_block, j)
+                                     : RawVec<Tr::V_BYTES>{};
+        if (!live) continue;
         if (tail) {
 #pragma unroll
           for (int e = 0; e < VL; ++e) vf[e] = blk_tok0 + c * VL + e < end_tok ? vf[e] : 0.f;

@@ -95,12 +95,63 @@ def test_paged_kv_cache_shapes():
 
 
 def test_variant_names_and_keys():
-    v = PagedVariant("bf16", "bf16", 128, 16, 4, 512, False)
+    v = PagedVariant("bf16", "bf16", 128, 16, 4, 512, False, pipeline=0)
     assert v.name == "cuattn_paged__bf16_kvbf16_hd128_bs16_g4_p512_a0_t256_m2"
-    assert PagedVariant("bf16", "e4m3", 128, 16, 4, 0, True).name.endswith("_g4_v1_a1_t256_m1")
+    assert PagedVariant("bf16", "e4m3", 128, 16, 4, 0, True, pipeline=0).name.endswith(
+        "_g4_v1_a1_t256_m1")
     assert "__launch_bounds__(256, 2)" in v.source()
+    # K rotation: plain launch bounds (a 128-register cap spills), the knob in the symbol
+    p3 = PagedVariant("bf16", "bf16", 128, 16, 4, 512, False, pipeline=3)
+    assert p3.name == "cuattn_paged__bf16_kvbf16_hd128_bs16_g4_p512_a0_t256_pl3"
+    assert "__launch_bounds__(256)\n" in p3.source()
+    assert p3.template_args()[-1] == 3
     names = [x.name for x in shipped_variants()]
     assert len(names) == len(set(names))
+
+
+def test_pipeline_rule():
+    """K rotation only where a warp step holds <= PAGED_PIPELINE_K_MAX_VECS vectors per lane."""
+    from cuattn import tuning
+    full = tuning.PAGED_PIPELINE
+    assert PagedVariant("bf16", "bf16", 128, 16, 4, 512, False).pipeline == full      # 8 vectors
+    assert PagedVariant("bf16", "e4m3", 128, 16, 4, 512, False).pipeline == full      # 4
+    assert PagedVariant("f16", "f16", 256, 16, 4, 512, False).pipeline == full & ~1   # 16
+    assert PagedVariant("bf16", "bf16", 96, 32, 8, 512, False).pipeline == full & ~1  # 12
+    assert PagedVariant("bf16", "bf16", 64, 16, 1, 0, False).pipeline == full         # 4 x KU 2
+
+
+def test_knob_variants_compile_for_sm90_without_spills_or_stack():
+    """Every knob set bench/lab/decode_sweep.py times, and the un-pipelined kernel (the one
+    measured first on the H200) over the shipped shapes."""
+    vs = []
+    for pl, mb, nt in [(0, 2, 256), (2, 2, 256), (3, 0, 256), (1, 0, 256), (0, 0, 128),
+                       (3, 0, 128), (2, 0, 256), (3, 1, 256)]:
+        for g in (1, 4):
+            for ps in (0, 128, 512, 1024):
+                vs.append(PagedVariant("bf16", "bf16", 128, 16, g, ps, False, num_threads=nt,
+                                       min_blocks=mb, pipeline=pl))
+    for hs in (64, 256):
+        for g in (1, 4, 8):
+            vs.append(PagedVariant("f16", "f16", hs, 16, g, 512, True, pipeline=0))
+    _assert_clean(_compile_all(vs, "sm_90"), "sm_90")
+
+
+def test_params_fast_packing_matches_pack():
+    """paged_attention packs the pointers in front of a cached static tail: same bytes as
+    ParamsStruct.pack."""
+    from cuattn import paged
+    rng = np.random.default_rng(1)
+    for ps, n_ptr, pk in ((paged.PARAMS, 10, paged._PTR), (paged.REDUCE_PARAMS, 5, paged._RPTR)):
+        kinds = dict(ps.fields)
+        vals = {n: (int(rng.integers(1, 2**62)) if k in ("ptr", "i64") else
+                    int(rng.integers(-2**30, 2**30)) if k == "i32" else float(rng.random()))
+                for n, k in ps.fields}
+        names = [n for n, _ in ps.fields]
+        static = {n: vals[n] for n in names[n_ptr:]}
+        tail = paged._static_tail(ps, n_ptr, **static)
+        fast = np.frombuffer(pk.pack(*[vals[n] for n in names[:n_ptr]]) + tail, ps.dtype)[0]
+        assert fast.tobytes() == ps.pack(**vals).tobytes()
+        assert all(kinds[n] == "ptr" for n in names[:n_ptr])
 
 
 def test_host_arrays_are_refused():
@@ -395,6 +446,56 @@ def test_captured_in_a_cuda_graph_replays_with_new_lengths(rng, version):
     assert np.isfinite(got).all()
     lowp = ref.astype(BF16).astype(np.float64)
     assert np.abs(got - ref).max() <= tolerance(np.abs(lowp - ref).max(), 1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pipeline", [0, 1, 2, 3])
+@pytest.mark.parametrize("head_size,block_size,gqa", [(128, 16, 4), (64, 8, 1), (256, 32, 2),
+                                                      (96, 16, 8)])
+def test_pipeline_knob(rng, pipeline, head_size, block_size, gqa):
+    """Every PIPELINE setting (the tuning table picks one per shape) against the reference,
+    v1 and v2 (partition 128: many partitions, so the next-step refills cross partitions'
+    ends), NaN in every slot that must not be read."""
+    from cuattn import paged, tuning
+    case = make_case(rng, lengths=LENGTHS(block_size), nkv=2, gqa=gqa, head_size=head_size,
+                     block_size=block_size, dtype="bf16")
+    dcase = _to_device(case)
+    group = max(g for g in range(1, 9) if gqa % g == 0)
+    paged._VARIANT_OVERRIDES.update(pipeline=pipeline, min_blocks=tuning.paged_min_blocks(
+        "bf16", head_size, block_size, group, pipeline))
+    paged._plans.clear()
+    try:
+        ref, _ = _run(case, dcase, "bf16", "v1")
+        _run(case, dcase, "bf16", "v2", ref=ref, partition_size=128)
+        _run(case, dcase, "bf16", "v2", ref=ref, partition_size=512)
+    finally:
+        paged._VARIANT_OVERRIDES.clear()
+        paged._plans.clear()
+
+
+@pytest.mark.gpu
+def test_cached_plan_rereads_pointers_and_still_checks_alignment(rng):
+    """A second call of the same signature runs from the cached plan: new arrays (new
+    pointers, new values) give their own result, and what the signature does not cover (base
+    alignment) is still checked."""
+    import cupy as cp
+    from cuattn import paged
+    cases = [make_case(rng, lengths=[40, 513, 7], nkv=2, gqa=4, head_size=128, block_size=16,
+                       dtype="bf16") for _ in range(2)]
+    assert all(cases[0][k].shape == cases[1][k].shape for k in ("q", "k_cache", "block_tables"))
+    for version in ("v1", "v2"):
+        paged._plans.clear()
+        for case in cases:
+            _run(case, _to_device(case), "bf16", version)
+        assert len(paged._plans) == 1
+    d = _to_device(cases[0])
+    k = d["k_cache"]
+    raw = cp.empty(k.size * 2 + 8, dtype=BF16)
+    shifted = cp.ndarray(k.shape, BF16, raw.data + 2, strides=k.strides)   # same signature
+    with pytest.raises(ValueError, match="k_cache"):
+        cuattn.paged_attention(d["q"], shifted, d["v_cache"], d["block_tables"], d["seq_lens"])
+    with pytest.raises(TypeError, match="seq_lens"):
+        cuattn.paged_attention(d["q"], k, d["v_cache"], d["block_tables"], cases[0]["seq_lens"])
 
 
 # -- GPU: reshape_and_cache -------------------------------------------------------------------
