@@ -2,7 +2,8 @@
 
 bf16, 32 query heads, 8 and 32 KV heads, head 128, block 16. Each configuration's block
 tables are a random permutation (blocks drawn without repetition) of a cache much larger
-than L2, and L2 is flushed before every rep, so K/V come from memory. Bandwidth counts the
+than L2, and L2 is flushed before every rep, so K/V come from memory; kernel time is timed from
+CUDA-graph replays (no Python launch gaps). Bandwidth counts the
 K+V bytes that must be read: batch * ctx * kv_heads * 128 * 2 B * 2.
 
     python -m bench.suite_decode [--quick]
@@ -72,7 +73,7 @@ def run(ceilings: Ceilings, quick: bool) -> list[dict]:
                                 "note": str(e).split(";")[0][:60]})
                     rows.append(row)
                     continue
-                ms = median_ms(call, n_warmup=5, n_repeat=30, flush_l2=True)
+                ms = median_ms(call, n_warmup=5, n_repeat=30, flush_l2=True, graph=1)
                 gbps = kv_bytes / ms / 1e6
                 row.update({"us": ms * 1e3, "GB/s": gbps,
                             "% read BW": 100.0 * gbps / ceilings.read_gbps})

@@ -40,6 +40,13 @@ class FlashTiles:
     block_n: int
     num_warps: int
     stages: int
+    # Kernel knobs (cuda_src/flash_fwd.cuh, cuattn.flash.FlashFwdVariant); the defaults
+    # are the first measured kernel. bench/lab/flash_sweep.py times them; bench/NOTES_flash.md
+    # has what each is predicted to do.
+    q_smem: bool = False     # Q re-read from smem per k16 step: 32 rows per warp fit
+    kv_split: bool = False   # separate cp.async groups for K and V (Q K^T waits for K only)
+    softmax: int = 0         # bit 0: branch-free rescale of O
+    min_blocks: int = 0      # __launch_bounds__ min blocks per SM (0: threads only)
 
 
 # Head dims the flash kernel is compiled for: the real head dim rounded up to a multiple

@@ -141,7 +141,8 @@ def test_params_fast_packing_matches_pack():
     ParamsStruct.pack."""
     from cuattn import paged
     rng = np.random.default_rng(1)
-    for ps, n_ptr, pk in ((paged.PARAMS, 10, paged._PTR), (paged.REDUCE_PARAMS, 5, paged._RPTR)):
+    for ps, n_ptr, pk in ((paged.PARAMS, 10, paged._PTR), (paged.REDUCE_PARAMS, 5, paged._RPTR),
+                          (paged.RESHAPE_PARAMS, 5, paged._RS_PTR)):
         kinds = dict(ps.fields)
         vals = {n: (int(rng.integers(1, 2**62)) if k in ("ptr", "i64") else
                     int(rng.integers(-2**30, 2**30)) if k == "i32" else float(rng.random()))
