@@ -45,8 +45,7 @@ class FlashTiles:
     # has what each is predicted to do.
     q_smem: bool = False     # Q re-read from smem per k16 step: 32 rows per warp fit
     kv_split: bool = False   # separate cp.async groups for K and V (Q K^T waits for K only)
-    softmax: int = 0         # bit 0: branch-free rescale of O
-    min_blocks: int = 0      # __launch_bounds__ min blocks per SM (0: threads only)
+    softmax: int = 0         # bit 0: branch-free rescale of O; bit 1: P packed right after exp
 
 
 # Head dims the flash kernel is compiled for: the real head dim rounded up to a multiple
@@ -98,26 +97,30 @@ FLASH_MAX_SPLITS = 64
 FLASH_SHIPPED_HEAD_DIMS = (64, 96, 128, 256)
 
 # paged (paged_attention / reshape_and_cache) -------------------------------------------------
-# First guesses, written before any H200 measurement (bench/suite_decode.py measures them;
-# bench/NOTES_decode.md records the numbers). Replace each with the measured choice.
-#
-# 256 threads (8 warps): K phase one cache block per warp per step with ~8 16-byte loads in
-# flight per lane; V phase the whole thread block reads one block's V (head 128, block 16,
-# bf16 = 256 vectors) per step, 8 blocks deep.
-PAGED_NUM_THREADS = 256
+# MEASURED on the H200 (bench/lab/decode_sweep.py, 2026-11-29; bf16, head 128, block 16,
+# 32 q heads, L2 flushed, % of the read bandwidth measured in that run, 4032 GB/s):
+#   kv heads / batch x ctx     t256 pl0 (old)      t256 pl2           t128 pl0 (chosen)
+#   8 / 32 x 4096    v2 p512   72.1                72.7               79.3 (p256 81.7; v1 t256 pl2 84.3)
+#   8 / 8 x 32768    v2 p512   75.2                76.5               88.8
+#   8 / 1 x 32768    v2 p512   56.5                57.7               64.1
+#   32 / 32 x 4096   v2 p512   100                 99                 105
+# 4 warps per block: twice the blocks per SM for the same registers, so more loads in
+# flight per SM for the group-4 (8 KV head) case whose math per byte left 8-warp blocks
+# stalled; the software pipeline (below) gained at most 1.5 points and is off.
+PAGED_NUM_THREADS = 128
 # Software pipeline of the K and V loads (cuda_src/paged_attention.cuh, PIPELINE): each
 # register of a step's K (V) vectors is refilled with the next step's vector as soon as it has
 # been unpacked, and the first V batch is issued before the softmax. Written on a CPU-only
 # machine against the H200 table in bench/NOTES_decode.md (kvh 8 = group 4 at 70-77% of read
 # BW at batch x ctx >= 128k, 54% at 1 x 32768): predicted to raise group 4 the most, since its
-# longer math per step left loads idle. UNMEASURED: bench/lab/decode_sweep.py times both;
-# set to the winner.
+# longer math per step left loads idle. MEASURED (table above): +0.5 to +1.5 points with 256
+# threads, -5 to -25 points with 128 (more registers, fewer blocks): off.
 # Bit 0: K rotation, bit 1: V rotation + the early first V batch. Compiled for sm_90
 # (bf16 hd128 bs16 p512): bit 1 alone costs no register (g4: 118, g1: 92 at min_blocks 2);
 # bit 0 makes ptxas double-buffer under the 128-register cap of min_blocks 2 and spill
 # (g4: 128 regs, 36 B), while with plain __launch_bounds__(256) it picks g4 100 / g1 97
 # registers without spills -- still two 256-thread blocks per SM -- hence paged_min_blocks.
-PAGED_PIPELINE = 3
+PAGED_PIPELINE = 0
 # K rotation only where a warp step holds few K vectors per lane: with more (block 32, head
 # >= 192) the doubled live vectors spilled even at 255 registers (hd256 bs16 g4,
 # hd96/hd256 bs32 g8), and those variants already have >= 12 loads in flight per lane.
@@ -144,20 +147,15 @@ PAGED_SHIPPED_HEAD_SIZES = (64, 128, 256)
 PAGED_SHIPPED_BLOCK_SIZES = (16,)
 PAGED_SHIPPED_GROUPS = (1, 4, 8)
 # version="auto": v1 needs no reduce launch and no scratch, but one thread block per
-# (head group, sequence) walks the whole context, so it only wins when those blocks alone
-# fill the GPU several times over and the context is short. vLLM's own rule (v1 when
-# max_seq_len <= 8192 and (one partition or num_seqs * num_heads > 512)) is the reference.
-PAGED_V1_MIN_WAVES = 4                 # thread blocks >= this x SM count
-PAGED_V1_MAX_CONTEXT = 4096            # tokens (block_tables.shape[1] * block_size)
+# (head group, sequence) walks the whole context. MEASURED with 128 threads (table above):
+# v2 at 512-token partitions beat or tied v1 at every configuration with more than one
+# partition (kv 8, 32 x 4096: v1 t128 57% vs v2 79%; kv 32: v1 88% vs v2 105%), so auto
+# takes v1 only when one partition covers the context.
 
 
 def paged_version(num_ctas_v1: int, max_context: int, partition_size: int, num_sms: int) -> str:
     """"v1" or "v2" for version="auto" (a host-side bound only: no data is read)."""
-    if max_context <= partition_size:
-        return "v1"                    # one partition: v2 would only add the reduce
-    if num_ctas_v1 >= PAGED_V1_MIN_WAVES * num_sms and max_context <= PAGED_V1_MAX_CONTEXT:
-        return "v1"
-    return "v2"
+    return "v1" if max_context <= partition_size else "v2"
 
 
 def paged_min_blocks(cache_dtype: str, head_size: int, block_size: int, group: int,

@@ -95,13 +95,13 @@ def test_paged_kv_cache_shapes():
 
 
 def test_variant_names_and_keys():
-    v = PagedVariant("bf16", "bf16", 128, 16, 4, 512, False, pipeline=0)
+    v = PagedVariant("bf16", "bf16", 128, 16, 4, 512, False, pipeline=0, num_threads=256)
     assert v.name == "cuattn_paged__bf16_kvbf16_hd128_bs16_g4_p512_a0_t256_m2"
-    assert PagedVariant("bf16", "e4m3", 128, 16, 4, 0, True, pipeline=0).name.endswith(
-        "_g4_v1_a1_t256_m1")
+    assert PagedVariant("bf16", "e4m3", 128, 16, 4, 0, True, pipeline=0,
+                        num_threads=256).name.endswith("_g4_v1_a1_t256_m1")
     assert "__launch_bounds__(256, 2)" in v.source()
     # K rotation: plain launch bounds (a 128-register cap spills), the knob in the symbol
-    p3 = PagedVariant("bf16", "bf16", 128, 16, 4, 512, False, pipeline=3)
+    p3 = PagedVariant("bf16", "bf16", 128, 16, 4, 512, False, pipeline=3, num_threads=256)
     assert p3.name == "cuattn_paged__bf16_kvbf16_hd128_bs16_g4_p512_a0_t256_pl3"
     assert "__launch_bounds__(256)\n" in p3.source()
     assert p3.template_args()[-1] == 3
