@@ -58,6 +58,12 @@ class FlashFwdVariant(Variant):
     causal: bool          # bottom-right causal band (right edge only)
     window: bool          # general (left, right) band from the params
     split: bool           # write fp32 partials for the split-KV combine
+    # Performance knobs (tuning.FlashTiles; the defaults are the first measured kernel and
+    # leave the symbol unchanged). See the kernel's comment in cuda_src/flash_fwd.cuh.
+    q_smem: int = 0       # 1: Q re-read from smem every k16 step (32 rows per warp fit);
+                          # 2: and compact ldmatrix offsets
+    kv_split: bool = False  # K and V in separate cp.async groups, one more barrier
+    softmax: int = 0      # bit 0: branch-free rescale of O; bit 1: P packed right after exp
 
     op: ClassVar[str] = "flash_fwd"
     header: ClassVar[str] = "flash_fwd.cuh"
@@ -67,16 +73,23 @@ class FlashFwdVariant(Variant):
     def __post_init__(self):
         if self.causal and self.window:
             raise ValueError("FlashFwdVariant: causal with a window is spelled as a window")
+        if self.softmax not in (0, 1, 2, 3) or self.q_smem not in (0, 1, 2):
+            raise ValueError(f"FlashFwdVariant: softmax is 0 to 3 (got {self.softmax}), "
+                             f"q_smem 0 to 2 (got {self.q_smem})")
 
     def name_parts(self):
         mask = "win" if self.window else ("c1" if self.causal else "c0")
         parts = (self.dtype, f"hd{self.head_dim}", f"bm{self.block_m}", f"bn{self.block_n}",
                  f"w{self.num_warps}", f"st{self.stages}", mask)
-        return parts + (("split",) if self.split else ())
+        qs = {0: (), 1: ("qs",)}.get(self.q_smem, (f"qs{self.q_smem}",))
+        knobs = qs + (("kvs",) if self.kv_split else ()) + \
+            ((f"sm{self.softmax}",) if self.softmax else ())
+        return parts + knobs + (("split",) if self.split else ())
 
     def template_args(self):
         return (BY_SHORT[self.dtype].cpp, self.head_dim, self.block_m, self.block_n,
-                self.num_warps, self.stages, self.causal, self.window, self.split)
+                self.num_warps, self.stages, self.causal, self.window, self.split,
+                int(self.q_smem), self.kv_split, self.softmax)
 
     @property
     def num_threads(self) -> int:
@@ -112,7 +125,8 @@ def forward_variant(dtype: str, head_dim: int, *, causal: bool, window: bool, sp
     hd = compiled_head_dim(head_dim)
     t = tuning.flash_tiles(arch, hd, causal or window)
     return FlashFwdVariant(dtype, hd, t.block_m, t.block_n, t.num_warps, t.stages,
-                           causal, window, split)
+                           causal, window, split, q_smem=int(t.q_smem),
+                           kv_split=bool(t.kv_split), softmax=int(t.softmax))
 
 
 def shipped_variants(arch: str | None = None) -> list[Variant]:

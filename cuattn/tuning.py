@@ -14,8 +14,9 @@ MERGE_SHIPPED_HEAD_SIZES = (64, 128, 256)
 
 # flash (flash_forward / flash_varlen_forward) ---------------------------------------------
 # (arch family, compiled head dim, causal) -> FlashTiles. Each warp owns 16 query rows
-# (BLOCK_M = 16 x NUM_WARPS in every entry below; the kernel also accepts 32 rows per warp,
-# but with Q fragments resident that spills at every head dim >= 64 on sm_90).
+# (BLOCK_M = 16 x NUM_WARPS in every entry below; the kernel also accepts 32 rows per warp:
+# with Q resident that fits at hd64 only for BLOCK_N 32, and with q_smem (Q re-read from
+# shared memory) at hd64 BN 64 / 128 and hd128 BN 32 / 64: bench/NOTES_flash.md, v2).
 # Shared memory = Q tile + STAGES x (K tile + V tile) = 2 bytes x HEAD_DIM x
 # (BLOCK_M + 2 x STAGES x BLOCK_N); limits per block: sm_90 227 KB, sm_80 163 KB,
 # sm_86/sm_89 99 KB (and 228 / 164 / 100 KB per SM).
@@ -43,7 +44,8 @@ class FlashTiles:
     # Kernel knobs (cuda_src/flash_fwd.cuh, cuattn.flash.FlashFwdVariant); the defaults
     # are the first measured kernel. bench/lab/flash_sweep.py times them; bench/NOTES_flash.md
     # has what each is predicted to do.
-    q_smem: bool = False     # Q re-read from smem per k16 step: 32 rows per warp fit
+    q_smem: int = 0          # 1: Q re-read from smem per k16 step (32 rows per warp fit);
+                             # 2: and compact ldmatrix offsets
     kv_split: bool = False   # separate cp.async groups for K and V (Q K^T waits for K only)
     softmax: int = 0         # bit 0: branch-free rescale of O; bit 1: P packed right after exp
 
@@ -76,13 +78,22 @@ _FLASH_SMALL_SMEM.update({
 })
 
 
+# Causal / window choices of the sm_90 / sm_80 table where the measured best differs from
+# the non-causal one (e.g. a 32-rows-per-warp shape that fits 255 registers only without
+# the mask code: bench/lab/flash_sweep.py FULL_ONLY); empty = the table above for both.
+_FLASH_BIG_SMEM_CAUSAL: dict[int, FlashTiles] = {}
+
+
 def flash_tiles(arch: str, head_dim: int, causal: bool) -> FlashTiles:
     """Tiles for ``arch`` (``sm_XY``), a compiled head dim and the causal flag.
 
-    Causal currently uses the same tiles as non-causal (not yet measured apart).
+    Causal uses the non-causal tiles unless _FLASH_BIG_SMEM_CAUSAL names its own.
     """
-    table = _FLASH_SMALL_SMEM if arch in ("sm_86", "sm_87", "sm_89") else _FLASH_BIG_SMEM
-    return table[head_dim]
+    if arch in ("sm_86", "sm_87", "sm_89"):
+        return _FLASH_SMALL_SMEM[head_dim]
+    if causal and head_dim in _FLASH_BIG_SMEM_CAUSAL:
+        return _FLASH_BIG_SMEM_CAUSAL[head_dim]
+    return _FLASH_BIG_SMEM[head_dim]
 
 
 # Split-KV combine: one warp per (token, head) row.

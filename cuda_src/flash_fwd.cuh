@@ -42,7 +42,8 @@ struct FlashFwdParams {
 };
 
 // Every tile constant, derived from the knobs Python chose (cuattn/tuning.py).
-template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS, int STAGES>
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS, int STAGES,
+          bool Q_SMEM = false>
 struct FlashFwdTraits {
   static constexpr int THREADS = NUM_WARPS * 32;
   static constexpr int WARP_M = BLOCK_M / NUM_WARPS;    // query rows owned by one warp
@@ -61,12 +62,17 @@ struct FlashFwdTraits {
   static constexpr int Q_LOADS_PER_LANE = WARP_M * D_CHUNKS / 32;
   // Two inlined copies of the key-loop body (boundary tiles with the mask, the middle
   // without) when registers allow; above head dim 128 ptxas spills with two copies, so one
-  // loop skips the mask code with a block-uniform branch instead.
-  static constexpr bool SEPARATE_MASK_LOOP = HEAD_DIM <= 128;
+  // loop skips the mask code with a block-uniform branch instead. Q_SMEM takes the one
+  // loop too: at 32 rows per warp (O + S = 160-192 accumulator registers) the second copy
+  // tips ptxas into spills (hd128 128x32: 20-24 bytes with two copies, none with one).
+  static constexpr bool SEPARATE_MASK_LOOP = HEAD_DIM <= 128 && !Q_SMEM;
   // Q fragments stay in registers for the whole key loop unless Q + O fragments alone
   // would take more than 96 of the 255 registers (hd 128 at 16 rows per warp: 32 + 64 = 96;
   // larger head dims leave too little room for S, addresses and load scheduling).
-  static constexpr bool Q_IN_REGS = M_TILES * (QK_K_STEPS * 4 + O_N_TILES * 4) <= 96;
+  // Q_SMEM (knob q_smem) re-reads Q from shared memory at every k16 step whatever the
+  // head dim: the price of 32 query rows per warp (BLOCK_M = 32 x NUM_WARPS) without spills.
+  static constexpr bool Q_IN_REGS =
+      !Q_SMEM && M_TILES * (QK_K_STEPS * 4 + O_N_TILES * 4) <= 96;
 
   static_assert(sizeof(T) == 2, "fp16 / bf16 only");
   static_assert(HEAD_DIM % 32 == 0 && HEAD_DIM <= 256, "compiled head dim: a multiple of 32");
@@ -95,10 +101,24 @@ __device__ __forceinline__ SeqRange seq_range(const void* cu_seqlens, int b, int
 // over the key tiles of split z % num_splits. SPLIT: writes normalised fp32 partial outputs
 // and their lse to oaccum / lseaccum (merged by flash_fwd_combine_kernel); otherwise writes
 // out (and lse).
+// Performance knobs (cuattn.flash.FlashFwdVariant; all off = the first measured kernel):
+//   Q_SMEM    >= 1: Q fragments re-read from shared memory at every k16 step (see the
+//             traits), for 32 query rows per warp within 255 registers; with it, the
+//             register-lean forms of the rest: one key loop, a rolled output-store loop.
+//             2: also the compact ldmatrix step offsets (SwizzledSteps COMPACT). ptxas at
+//             255 registers tips either way on each: hd64 128x128 fits only with 2,
+//             hd128 128x32 only with 1.
+//   KV_SPLIT  K and V of a tile are separate cp.async groups: S = Q K^T of tile n waits
+//             only for K_n (one barrier), O += P V waits for V_n (a second barrier), so
+//             the first GEMM and the softmax overlap V_n's flight.
+//   SOFTMAX   bit 0: branch-free rescale (O *= alpha every tile, alpha = 1 when the row
+//             max stays) instead of a divergent branch per row; bit 1: P packed to T
+//             right after its exp2, no -inf guard without a band (registers: see 3d).
 template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS, int STAGES,
-          bool IS_CAUSAL, bool HAS_WINDOW, bool SPLIT>
+          bool IS_CAUSAL, bool HAS_WINDOW, bool SPLIT, int Q_SMEM = 0,
+          bool KV_SPLIT = false, int SOFTMAX = 0>
 __device__ void flash_fwd_kernel(const FlashFwdParams& p) {
-  using Tr = FlashFwdTraits<T, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS, STAGES>;
+  using Tr = FlashFwdTraits<T, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS, STAGES, (Q_SMEM > 0)>;
   static_assert(!(IS_CAUSAL && HAS_WINDOW), "causal with a window is passed as a window");
   constexpr bool BAND = IS_CAUSAL || HAS_WINDOW;
   constexpr int M_TILES = Tr::M_TILES;
@@ -195,7 +215,7 @@ __device__ void flash_fwd_kernel(const FlashFwdParams& p) {
   const int ld_row = EVEN_ROWS ? tid / D_CHUNKS : 0;
   const int ld_ch = EVEN_ROWS ? tid % D_CHUNKS : 0;
   const bool ld_ch_ok = ld_ch < head_dim_chunks;
-  auto load_kv = [&](int tile, int stage) {
+  auto load_kv = [&](int tile, int stage, bool do_k = true, bool do_v = true) {
     const u32 sk_base = smem_kv + stage * Tr::STAGE_BYTES;
     const u32 sv_base = sk_base + Tr::KV_TILE_BYTES;
     if constexpr (EVEN_ROWS) {
@@ -209,8 +229,8 @@ __device__ void flash_fwd_kernel(const FlashFwdParams& p) {
         const int r = it * ROWS_PER_PASS + ld_row;
         const bool ok = ld_ch_ok && key0 + it * ROWS_PER_PASS < sk;
         const u32 off = swizzled_offset<D_CHUNKS>(r, ld_ch);
-        cp_async_16(sk_base + off, ok ? ks : k_ptr, ok ? 16 : 0);
-        cp_async_16(sv_base + off, ok ? vs : v_ptr, ok ? 16 : 0);
+        if (do_k) cp_async_16(sk_base + off, ok ? ks : k_ptr, ok ? 16 : 0);
+        if (do_v) cp_async_16(sv_base + off, ok ? vs : v_ptr, ok ? 16 : 0);
         ks += k_step;
         vs += v_step;
       }
@@ -225,28 +245,43 @@ __device__ void flash_fwd_kernel(const FlashFwdParams& p) {
           const u32 off = swizzled_offset<D_CHUNKS>(r, ch);
           const T* ks = ok ? k_ptr + (long long)key * p.k_stride_row + ch * 8 : k_ptr;
           const T* vs = ok ? v_ptr + (long long)key * p.v_stride_row + ch * 8 : v_ptr;
-          cp_async_16(sk_base + off, ks, ok ? 16 : 0);
-          cp_async_16(sv_base + off, vs, ok ? 16 : 0);
+          if (do_k) cp_async_16(sk_base + off, ks, ok ? 16 : 0);
+          if (do_v) cp_async_16(sv_base + off, vs, ok ? 16 : 0);
         }
       }
     }
   };
 
+  // Groups in commit order: Q, then per tile K+V (KV_SPLIT: K, V). Every thread commits
+  // the same groups, empty or not, so the wait counts below hold everywhere.
+  // KV_GROUPS groups per tile. At the top of step n, once tile n's K has landed, the
+  // KV_WAIT_K younger groups may still fly (V_n with KV_SPLIT, and tiles n+1 .. n+STAGES-2);
+  // before O += P V (KV_SPLIT), once V_n has landed, KV_WAIT_V may (tiles n+1 .. n+STAGES-1).
+  constexpr int KV_GROUPS = KV_SPLIT ? 2 : 1;
+  constexpr int KV_WAIT_K = KV_SPLIT ? 2 * STAGES - 3 : STAGES - 2;
+  constexpr int KV_WAIT_V = 2 * STAGES - 2;   // KV_SPLIT only
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < n_steps) load_kv(tile_of(s), s);
-    cp_async_commit();   // always commit: every thread counts the same groups
+    if constexpr (KV_SPLIT) {
+      if (s < n_steps) load_kv(tile_of(s), s, true, false);
+      cp_async_commit();
+      if (s < n_steps) load_kv(tile_of(s), s, false, true);
+      cp_async_commit();
+    } else {
+      if (s < n_steps) load_kv(tile_of(s), s);
+      cp_async_commit();   // always commit: every thread counts the same groups
+    }
   }
 
   // ---- Phase 2: Q fragments into registers for the whole key loop --------------------------
   // (Q_IN_REGS false, head dims where Q + O fragments would not fit in 255 registers: the
   // fragments are re-read from this warp's rows of the Q tile at every k16 step instead.)
-  cp_async_wait<STAGES - 1>();   // the Q group (the oldest) has landed
+  cp_async_wait<KV_GROUPS * (STAGES - 1)>();   // the Q group (the oldest) has landed
   __syncwarp();
   // Q (A of S = Q K^T, x4 = rows 0-7 / 8-15 x chunks 2s, 2s+1): lane l reads row
   // (l % 8) + ((l / 8) % 2) * 8 of each m16 tile, chunk 2 s + l / 16.
   const int q_row = warp * Tr::WARP_M + (lane % 8) + ((lane / 8) % 2) * 8;
-  const SwizzledSteps<D_CHUNKS> q_steps(q_row, lane / 16);
+  const SwizzledSteps<D_CHUNKS, (Q_SMEM >= 2)> q_steps(q_row, lane / 16);
   const u32 q_lane = smem_q + q_row * D_CHUNKS * 16;
   constexpr int Q_REG_STEPS = Tr::Q_IN_REGS ? Tr::QK_K_STEPS : 1;
   u32 q_frag[M_TILES][Q_REG_STEPS][4];
@@ -281,19 +316,28 @@ __device__ void flash_fwd_kernel(const FlashFwdParams& p) {
   // lane l reads key row (l % 8) + ((l / 8) % 2) * 8, chunk 2 s + l / 16.
   const int k_row = (lane % 8) + (lane / 16) * 8;
   const int v_row = (lane % 8) + ((lane / 8) % 2) * 8;
-  const SwizzledSteps<D_CHUNKS> k_steps(k_row, (lane / 8) % 2);
-  const SwizzledSteps<D_CHUNKS> v_steps(v_row, lane / 16);
+  const SwizzledSteps<D_CHUNKS, (Q_SMEM >= 2)> k_steps(k_row, (lane / 8) % 2);
+  const SwizzledSteps<D_CHUNKS, (Q_SMEM >= 2)> v_steps(v_row, lane / 16);
 
   // ---- Phase 3: one key tile: S = Q K^T, (mask), online softmax, O += P V ---------------------
   // With SEPARATE_MASK_LOOP, `masked` is a literal at each of the two call sites below and
   // the step is inlined into each loop, so the unmasked loop carries no mask code at all.
   auto step = [&](int n, bool masked) {
     const int tile = tile_of(n);
-    // 3a. wait for this tile, then refill the stage every warp finished with last step
-    cp_async_wait<STAGES - 2>();
+    // 3a. wait for this tile (KV_SPLIT: its K only), then refill the stage every warp
+    // finished with last step
+    cp_async_wait<KV_WAIT_K>();
     __syncthreads();
-    if (n + STAGES - 1 < n_steps) load_kv(tile_of(n + STAGES - 1), (n + STAGES - 1) % STAGES);
-    cp_async_commit();
+    if constexpr (KV_SPLIT) {
+      const bool more = n + STAGES - 1 < n_steps;
+      if (more) load_kv(tile_of(n + STAGES - 1), (n + STAGES - 1) % STAGES, true, false);
+      cp_async_commit();
+      if (more) load_kv(tile_of(n + STAGES - 1), (n + STAGES - 1) % STAGES, false, true);
+      cp_async_commit();
+    } else {
+      if (n + STAGES - 1 < n_steps) load_kv(tile_of(n + STAGES - 1), (n + STAGES - 1) % STAGES);
+      cp_async_commit();
+    }
     const u32 sk_base = smem_kv + (n % STAGES) * Tr::STAGE_BYTES;
     const u32 k_lane = sk_base + k_row * D_CHUNKS * 16;
     const u32 v_lane = sk_base + Tr::KV_TILE_BYTES + v_row * D_CHUNKS * 16;
@@ -350,6 +394,17 @@ __device__ void flash_fwd_kernel(const FlashFwdParams& p) {
 
     // 3d. online softmax in the exp2 domain: new row max (quad shuffles), rescale O and the
     // running sum only when the max moved, P = exp2(S * scale_log2 - max * scale_log2)
+    // SOFTMAX bit 1: P of each m16 tile packed to T as soon as its two row halves are done
+    // (half the registers of the fp32 S from there to O += P V), not in 3e; and no -inf
+    // guard on the row max without a band (below).
+    constexpr bool EARLY_PACK = (SOFTMAX & 2) != 0;
+    u32 p_pack[M_TILES][EARLY_PACK ? Tr::PV_K_STEPS : 1][4];
+    auto pack_p = [&](u32 (&pf)[4], int mt, int kk) {
+      pf[0] = pack_pair<T>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+      pf[1] = pack_pair<T>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+      pf[2] = pack_pair<T>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+      pf[3] = pack_pair<T>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+    };
 #pragma unroll
     for (int mt = 0; mt < M_TILES; ++mt) {
 #pragma unroll
@@ -361,7 +416,23 @@ __device__ void flash_fwd_kernel(const FlashFwdParams& p) {
         }
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        if (mx != row_max[mt][hr]) {   // moved: from -inf or up; never back to -inf
+        // A row with no visible key so far keeps max -inf: exp2(-inf - 0) = 0, not NaN.
+        // (EARLY_PACK without a band skips the guard, one register less: then every tile
+        // this block visits holds a key < seqlen_k, so each row max is finite from the
+        // first tile on.)
+        const float max_scaled = (EARLY_PACK && !BAND) ? mx * scale_log2
+                                                       : (mx == neg_inf() ? 0.f : mx * scale_log2);
+        if constexpr (SOFTMAX & 1) {
+          // alpha = 1 exactly when the max stayed (same product twice); 0 from -inf.
+          const float alpha = exp2f(fmaf(row_max[mt][hr], scale_log2, -max_scaled));
+          row_sum[mt][hr] *= alpha;
+#pragma unroll
+          for (int nt = 0; nt < Tr::O_N_TILES; ++nt) {
+            o_acc[mt][nt][2 * hr] *= alpha;
+            o_acc[mt][nt][2 * hr + 1] *= alpha;
+          }
+          row_max[mt][hr] = mx;
+        } else if (mx != row_max[mt][hr]) {   // moved: from -inf or up; never back to -inf
           const float alpha = exp2f((row_max[mt][hr] - mx) * scale_log2);
           row_sum[mt][hr] *= alpha;
 #pragma unroll
@@ -371,8 +442,6 @@ __device__ void flash_fwd_kernel(const FlashFwdParams& p) {
           }
           row_max[mt][hr] = mx;
         }
-        // A row with no visible key so far keeps max -inf: exp2(-inf - 0) = 0, not NaN.
-        const float max_scaled = mx == neg_inf() ? 0.f : mx * scale_log2;
         float sum = 0.f;
 #pragma unroll
         for (int nt = 0; nt < Tr::S_N_TILES; ++nt) {
@@ -385,19 +454,32 @@ __device__ void flash_fwd_kernel(const FlashFwdParams& p) {
         }
         row_sum[mt][hr] += sum;
       }
+      if constexpr (EARLY_PACK) {
+#pragma unroll
+        for (int kk = 0; kk < Tr::PV_K_STEPS; ++kk) pack_p(p_pack[mt][kk], mt, kk);
+      }
     }
 
     // 3e. O += P V: the S accumulators of two n8 tiles, packed to T, are the A operand of
     // one k16 step; ldmatrix .trans of V gives the B fragments of two n8 tiles of head dim
+    if constexpr (KV_SPLIT) {   // V_n: this thread's copies, then everyone's
+      cp_async_wait<KV_WAIT_V>();
+      __syncthreads();
+    }
 #pragma unroll
     for (int kk = 0; kk < Tr::PV_K_STEPS; ++kk) {
       u32 pf[M_TILES][4];
 #pragma unroll
       for (int mt = 0; mt < M_TILES; ++mt) {
-        pf[mt][0] = pack_pair<T>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
-        pf[mt][1] = pack_pair<T>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
-        pf[mt][2] = pack_pair<T>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
-        pf[mt][3] = pack_pair<T>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+        if constexpr (EARLY_PACK) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) pf[mt][i] = p_pack[mt][kk][i];
+        } else {
+          pf[mt][0] = pack_pair<T>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+          pf[mt][1] = pack_pair<T>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+          pf[mt][2] = pack_pair<T>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+          pf[mt][3] = pack_pair<T>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+        }
       }
 #pragma unroll
       for (int dp = 0; dp < Tr::O_N_TILES / 2; ++dp) {
@@ -464,6 +546,8 @@ __device__ void flash_fwd_kernel(const FlashFwdParams& p) {
     }
   } else {
     // ---- Phase 5: O -> T in this warp's own rows of the Q tile, then 16-byte stores ----------
+    // (Q_SMEM: the warp's last Q ldmatrix read these rows; order them before the writes.)
+    if constexpr (Q_SMEM > 0) __syncwarp();
 #pragma unroll
     for (int mt = 0; mt < M_TILES; ++mt) {
 #pragma unroll
@@ -482,18 +566,37 @@ __device__ void flash_fwd_kernel(const FlashFwdParams& p) {
     T* o_ptr = static_cast<T*>(const_cast<void*>(p.out)) + b * p.o_stride_batch +
                (long long)qr.start * p.o_stride_row + h * p.o_stride_head;
     const int row0 = warp * Tr::WARP_M;
+    if constexpr (Q_SMEM == 0) {
 #pragma unroll
-    for (int it = 0; it < Tr::Q_LOADS_PER_LANE; ++it) {
-      const int c = it * 32 + lane;
-      const int r = row0 + c / D_CHUNKS, ch = c % D_CHUNKS;
-      const int i = m0 + r;
-      if (i < sq && ch < head_dim_chunks) {
-        Vec16 v16;
-        const u32 addr = smem_q + swizzled_offset<D_CHUNKS>(r, ch);
-        asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-                     : "=r"(v16.raw.x), "=r"(v16.raw.y), "=r"(v16.raw.z), "=r"(v16.raw.w)
-                     : "r"(addr));
-        store16(o_ptr + (long long)i * p.o_stride_row + ch * 8, v16);
+      for (int it = 0; it < Tr::Q_LOADS_PER_LANE; ++it) {
+        const int c = it * 32 + lane;
+        const int r = row0 + c / D_CHUNKS, ch = c % D_CHUNKS;
+        const int i = m0 + r;
+        if (i < sq && ch < head_dim_chunks) {
+          Vec16 v16;
+          const u32 addr = smem_q + swizzled_offset<D_CHUNKS>(r, ch);
+          asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                       : "=r"(v16.raw.x), "=r"(v16.raw.y), "=r"(v16.raw.z), "=r"(v16.raw.w)
+                       : "r"(addr));
+          store16(o_ptr + (long long)i * p.o_stride_row + ch * 8, v16);
+        }
+      }
+    } else {
+      // 32 rows per warp: the same loop rolled, or ptxas hoists all the 16-byte loads and
+      // spills around the end of the key loop (hd128 128x64: 184 bytes of spills -> 20).
+#pragma unroll 1
+      for (int it = 0; it < Tr::Q_LOADS_PER_LANE; ++it) {
+        const int c = it * 32 + lane;
+        const int r = row0 + c / D_CHUNKS, ch = c % D_CHUNKS;
+        const int i = m0 + r;
+        if (i < sq && ch < head_dim_chunks) {
+          Vec16 v16;
+          const u32 addr = smem_q + swizzled_offset<D_CHUNKS>(r, ch);
+          asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                       : "=r"(v16.raw.x), "=r"(v16.raw.y), "=r"(v16.raw.z), "=r"(v16.raw.w)
+                       : "r"(addr));
+          store16(o_ptr + (long long)i * p.o_stride_row + ch * 8, v16);
+        }
       }
     }
     if (p.lse != nullptr && t4 == 0) {

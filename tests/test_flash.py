@@ -108,6 +108,59 @@ def test_host_arrays_are_refused():
                                     np.zeros(2, np.int32), 4, 4)
 
 
+# ---- kernel knobs: the candidates bench/lab/flash_sweep.py times ----------------------------
+
+def _load_sweep():
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "bench" / "lab" / "flash_sweep.py"
+    spec = importlib.util.spec_from_file_location("_cuattn_flash_sweep", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+_SWEEP_MOD = _load_sweep()
+_CAND_FORMS = [(hd, t, causal) for hd, ts in _SWEEP_MOD.CANDIDATES.items() for t in ts
+               for causal in (False, True)
+               if not (causal and (hd, _SWEEP_MOD.label(t)) in _SWEEP_MOD.FULL_ONLY)]
+
+
+def _with_tiles(monkeypatch, tiles):
+    monkeypatch.setattr(tuning, "flash_tiles", lambda arch, hd, causal: tiles)
+
+
+@pytest.mark.parametrize("hd,tiles,causal", _CAND_FORMS,
+                         ids=[f"hd{h}-{_SWEEP_MOD.label(t)}-{'c' if c else 'nc'}"
+                              for h, t, c in _CAND_FORMS])
+def test_sweep_candidates_compile_for_sm90_without_spills(monkeypatch, hd, tiles, causal):
+    _with_tiles(monkeypatch, tiles)
+    v = flash.forward_variant("bf16", hd, causal=causal, window=False, split=False,
+                              arch="sm_90")
+    assert (v.block_m, v.block_n, v.num_warps, v.stages, v.q_smem, v.kv_split, v.softmax) == \
+        (tiles.block_m, tiles.block_n, tiles.num_warps, tiles.stages, tiles.q_smem,
+         tiles.kv_split, tiles.softmax)
+    assert v.dynamic_smem_bytes <= SMEM_LIMIT["sm_90"]
+    _check_resources(v, "sm_90")
+
+
+def test_knob_defaults_keep_the_names_and_knobs_appear_in_them():
+    base = flash.FlashFwdVariant("bf16", 128, 64, 64, 4, 2, False, False, False)
+    assert base.name == "cuattn_flash_fwd__bf16_hd128_bm64_bn64_w4_st2_c0"
+    knob = flash.FlashFwdVariant("bf16", 128, 128, 32, 4, 3, True, False, True, q_smem=1,
+                                 kv_split=True, softmax=1)
+    assert knob.name == "cuattn_flash_fwd__bf16_hd128_bm128_bn32_w4_st3_c1_qs_kvs_sm1_split"
+    assert knob.template_args()[-3:] == (1, True, 1)
+    knob2 = flash.FlashFwdVariant("bf16", 64, 128, 128, 4, 2, False, False, False, q_smem=2,
+                                  softmax=2)
+    assert knob2.name == "cuattn_flash_fwd__bf16_hd64_bm128_bn128_w4_st2_c0_qs2_sm2"
+    assert tuning.FlashTiles(64, 64, 4, 2) == tuning.FlashTiles(64, 64, 4, 2, 0, False, 0)
+    with pytest.raises(ValueError):
+        flash.FlashFwdVariant("bf16", 128, 64, 64, 4, 2, False, False, False, softmax=4)
+    with pytest.raises(ValueError):
+        flash.FlashFwdVariant("bf16", 128, 64, 64, 4, 2, False, False, False, q_smem=3)
+
+
 # ---- references -------------------------------------------------------------------------------
 
 def _round(x, dtype, xp):
@@ -382,6 +435,42 @@ def test_stream_argument_and_empty_batch(rng):
     check_close(out, None, q, q, q)
     empty = cupy.empty((0, 10, 2, 64), F16)
     assert cuattn.flash_forward(empty, empty, empty).shape == (0, 10, 2, 64)
+
+
+# ---- GPU: every knob the sweep times, against the reference -----------------------------------
+
+# Every sweep candidate with a new knob (q_smem, kv_split, softmax) or 32 rows per warp, each
+# through a few shapes: odd lengths, causal (bottom-right, sq != sk), a window, split-KV, a
+# head dim below the compiled one (zero-filled tail columns), GQA; fp16 and bf16.
+_KNOB_TILES = [(hd, t) for hd, ts in _SWEEP_MOD.CANDIDATES.items() for t in ts
+               if t.q_smem or t.kv_split or t.softmax or t.block_m // t.num_warps == 32]
+# (seqlen_q, seqlen_k, causal, window, num_splits, head dim below the compiled one by)
+_KNOB_CASES = [(113, 203, False, (-1, -1), 1, 0), (113, 203, True, (-1, -1), 1, 0),
+               (1024, 1023, True, (-1, -1), 1, 8), (2048, 2048, False, (-1, -1), 1, 0),
+               (300, 777, False, (64, 32), 1, 0), (77, 3000, True, (-1, -1), 3, 0)]
+_KNOB_SWEEP = [(hd, t, case) for hd, t in _KNOB_TILES for case in _KNOB_CASES]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "hd,tiles,case", _KNOB_SWEEP,
+    ids=[f"hd{h}-{_SWEEP_MOD.label(t)}-{c[0]}x{c[1]}{'-c' if c[2] else ''}"
+         f"{'-win' if c[3] != (-1, -1) else ''}{f'-split{c[4]}' if c[4] > 1 else ''}"
+         f"{f'-d{h - c[5]}' if c[5] else ''}" for h, t, c in _KNOB_SWEEP])
+def test_knobs(rng, monkeypatch, hd, tiles, case):
+    sq, sk, causal, window, num_splits, short = case
+    _with_tiles(monkeypatch, tiles)
+    idx = _KNOB_SWEEP.index((hd, tiles, case))
+    dtype = (BF16, F16)[idx % 2]
+    d = hd - short
+    batch = 1 if sq * sk > 1 << 20 else 2
+    q = _randn(rng, (batch, sq, 4, d), dtype)
+    k = _randn(rng, (batch, sk, 2, d), dtype)
+    v = _randn(rng, (batch, sk, 2, d), dtype)
+    out = _poisoned(q.shape, dtype)
+    _, lse = cuattn.flash_forward(q, k, v, causal=causal, window_size=window, return_lse=True,
+                                  num_splits=num_splits, out=out)
+    check_close(out, lse, q, k, v, causal=causal, window=window)
 
 
 # ---- GPU: bad inputs raise before any launch -----------------------------------------------

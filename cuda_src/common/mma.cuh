@@ -122,10 +122,13 @@ __device__ __forceinline__ u32 swizzled_offset(int row, int chunk) {
 // log2(PERIOD) bits of the chunk and depends on row % 8, which the step does not change,
 // so the physical chunk is (2 s) & ~(PERIOD - 1) plus one of PERIOD / 2 lane-dependent
 // values: precompute those (a few registers) instead of one address per step.
-template <int CHUNKS>
+// COMPACT: one register instead of PERIOD / 2, and one XOR per step: since 2 s is even and
+// c is 0 or 1, (2 s + c) ^ sw = (2 s) ^ (c ^ sw) on the low bits, so the in-period offset of
+// step s is lane_off[0] ^ ((2 s) % PERIOD) * 16.
+template <int CHUNKS, bool COMPACT = false>
 struct SwizzledSteps {
   static constexpr int PERIOD = CHUNKS % 8 == 0 ? 8 : 4;
-  static constexpr int N = PERIOD / 2;
+  static constexpr int N = COMPACT ? 1 : PERIOD / 2;
   u32 lane_off[N];   // byte offset of chunk (2 j + c) ^ swizzle, within its period
 
   __device__ __forceinline__ SwizzledSteps(int row, int c) {
@@ -136,7 +139,12 @@ struct SwizzledSteps {
   }
   // Byte offset of step s within a row (add row * CHUNKS * 16 for the row).
   __device__ __forceinline__ u32 at(int s) const {
-    return static_cast<u32>(((2 * s) & ~(PERIOD - 1)) * 16) + lane_off[s % N];
+    if constexpr (COMPACT) {
+      return static_cast<u32>(((2 * s) & ~(PERIOD - 1)) * 16) +
+             (lane_off[0] ^ static_cast<u32>(((2 * s) & (PERIOD - 1)) * 16));
+    } else {
+      return static_cast<u32>(((2 * s) & ~(PERIOD - 1)) * 16) + lane_off[s % N];
+    }
   }
 };
 
