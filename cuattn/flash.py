@@ -123,7 +123,7 @@ def forward_variant(dtype: str, head_dim: int, *, causal: bool, window: bool, sp
                     arch: str) -> FlashFwdVariant:
     """The forward variant for a real head dim, flags and an architecture (tuning table)."""
     hd = compiled_head_dim(head_dim)
-    t = tuning.flash_tiles(arch, hd, causal or window)
+    t = tuning.flash_tiles(arch, hd, masked=causal or window or split)
     return FlashFwdVariant(dtype, hd, t.block_m, t.block_n, t.num_warps, t.stages,
                            causal, window, split, q_smem=int(t.q_smem),
                            kv_split=bool(t.kv_split), softmax=int(t.softmax))
@@ -252,11 +252,13 @@ def _smem_per_sm(device_id: int) -> int:
 
 
 def choose_num_splits(blocks: int, n_key_tiles: int, num_sms: int, blocks_per_sm: int) -> int:
-    """num_splits=0: split the keys only when the grid cannot fill the GPU and keys are long."""
+    """num_splits=0: the most splits that keep the grid within one wave of resident blocks
+    (a partial extra wave costs a whole one: tuning.py has the measurement), each split
+    keeping at least FLASH_MIN_TILES_PER_SPLIT key tiles."""
     slots = num_sms * max(1, blocks_per_sm)
-    if blocks <= 0 or blocks >= tuning.FLASH_SPLIT_FILL_FRACTION * slots:
+    if blocks <= 0:
         return 1
-    by_fill = -(-slots // blocks)
+    by_fill = slots // blocks
     by_length = n_key_tiles // tuning.FLASH_MIN_TILES_PER_SPLIT
     return max(1, min(by_fill, by_length, tuning.FLASH_MAX_SPLITS))
 
@@ -296,7 +298,13 @@ def _run(*, q, k, v, out, lse, dtype, device_id, stream, causal, softmax_scale, 
     num_splits = max(1, min(num_splits, max(n_key_tiles, 1), _MAX_GRID_YZ // batch))
     wl, wr = _window_params(left, right, max_sq, max_sk)
     split = num_splits > 1
-    variant = dataclasses.replace(base, split=True) if split else base
+    variant = base
+    if split:
+        # Split-KV kernels take the tiles of the masked table (see tuning.flash_tiles);
+        # the grid follows their BLOCK_M.
+        variant = forward_variant(dtype.short, head_dim, causal=is_causal, window=window,
+                                  split=True, arch=arch)
+        m_blocks = -(-max_sq // variant.block_m)
     fields = dict(strides)
     oaccum = lseaccum = None
     if split:

@@ -57,9 +57,14 @@ FLASH_HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
 # sm_90 / sm_80 (>= 163 KB of shared memory per block, 2 blocks per SM fit).
 _FLASH_BIG_SMEM = {
     32: FlashTiles(64, 128, 4, 2),     # 142 / 168 / 147 regs, smem 36 KB
-    64: FlashTiles(64, 64, 4, 3),      # 162 / 168 regs, smem 56 KB; measured best (above)
+    # 32 rows per warp, Q re-read from shared memory (halves the K/V ldmatrix traffic per
+    # FLOP): hd64 334 / 345 TFLOP/s at S 4096 / 16384 against 297 / 309 for 64x64x4w3s
+    # (bench/lab/flash_sweep.py, H200, 2026-11-29). Its masked and split forms spill: below.
+    64: FlashTiles(128, 128, 4, 2, q_smem=2, softmax=2),   # 254 regs, smem 80 KB
     96: FlashTiles(64, 64, 4, 2),      # 217 / 225 / 231 regs, smem 60 KB
-    128: FlashTiles(64, 64, 4, 2),     # 238 / 240 / 255 regs, smem 80 KB; measured best
+    # hd128: 379 / 401 TFLOP/s against 322 / 355 for 64x64x4w2s. Without kv_split it
+    # measured 388 / 408 but its split-KV form spills 52 B; with it nothing spills.
+    128: FlashTiles(128, 64, 4, 2, q_smem=1, kv_split=True, softmax=2),   # 255 regs, 96 KB
     # Above 128, Q fragments are re-read from shared memory each k16 step (Q + O would
     # not fit in registers) and the key loop is one loop with a uniform mask branch.
     160: FlashTiles(64, 64, 4, 2),     # 248 / 249 / 250 regs, smem 100 KB (1 block/SM on sm_80)
@@ -78,30 +83,38 @@ _FLASH_SMALL_SMEM.update({
 })
 
 
-# Causal / window choices of the sm_90 / sm_80 table where the measured best differs from
-# the non-causal one (e.g. a 32-rows-per-warp shape that fits 255 registers only without
-# the mask code: bench/lab/flash_sweep.py FULL_ONLY); empty = the table above for both.
-_FLASH_BIG_SMEM_CAUSAL: dict[int, FlashTiles] = {}
+# Masked forms (causal, window) and split-KV forms of the sm_90 / sm_80 table, where they
+# differ from the plain one: the 32-rows-per-warp shapes above fit 255 registers only
+# without the mask code (and, at hd64, without the split epilogue). Measured (TFLOP/s,
+# causal, S 4096 / 16384): hd64 64x64x4w3s+sm1 287 / 302 (64x64x4w3s 277 / 301);
+# hd128 64x64x4w2s 305 / 359 (+sm1 311 / 354).
+_FLASH_BIG_SMEM_MASKED: dict[int, FlashTiles] = {
+    64: FlashTiles(64, 64, 4, 3, softmax=1),
+    128: FlashTiles(64, 64, 4, 2),
+}
 
 
-def flash_tiles(arch: str, head_dim: int, causal: bool) -> FlashTiles:
-    """Tiles for ``arch`` (``sm_XY``), a compiled head dim and the causal flag.
-
-    Causal uses the non-causal tiles unless _FLASH_BIG_SMEM_CAUSAL names its own.
+def flash_tiles(arch: str, head_dim: int, masked: bool) -> FlashTiles:
+    """Tiles for ``arch`` (``sm_XY``), a compiled head dim, and whether the form is masked
+    (causal or window) or split-KV, which use _FLASH_BIG_SMEM_MASKED where it has an entry.
     """
     if arch in ("sm_86", "sm_87", "sm_89"):
         return _FLASH_SMALL_SMEM[head_dim]
-    if causal and head_dim in _FLASH_BIG_SMEM_CAUSAL:
-        return _FLASH_BIG_SMEM_CAUSAL[head_dim]
+    if masked and head_dim in _FLASH_BIG_SMEM_MASKED:
+        return _FLASH_BIG_SMEM_MASKED[head_dim]
     return _FLASH_BIG_SMEM[head_dim]
 
 
 # Split-KV combine: one warp per (token, head) row.
 FLASH_COMBINE_NUM_THREADS = 128
-# Split-KV rule for num_splits=0: split only when the grid fills less than this fraction
-# of (SMs x resident blocks), each split keeps at least this many key tiles, at most
-# FLASH_MAX_SPLITS splits (FlashAttention-2's heuristic has the same shape; unmeasured here).
-FLASH_SPLIT_FILL_FRACTION = 0.8
+# Split-KV rule for num_splits=0 (cuattn.flash.choose_num_splits): as many splits as keep
+# the whole grid within ONE wave of (SMs x resident blocks), each split keeping at least
+# FLASH_MIN_TILES_PER_SPLIT key tiles, at most FLASH_MAX_SPLITS. Measured on the H200
+# (bench/lab/flash_splits.py, causal bf16 hd128, microseconds by split count): a partial
+# second wave costs a whole one, e.g. batch 4 x 1 query x 16384 keys x 32 heads (128
+# blocks, 264 slots): 1: 280, 2: 211, 3 (the old round-up rule): 279, 4: 212;
+# 1 x 1 x 65536 x 32 heads: 1: 1096, 8: 211 (best; one wave), 16: 217, 64: 251;
+# 1 x 64 x 16384 x 16 heads: 16 splits 47 us, best.
 FLASH_MIN_TILES_PER_SPLIT = 4
 FLASH_MAX_SPLITS = 64
 # Shipped (precompiled) head dims; others compile on first use.

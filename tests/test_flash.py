@@ -94,7 +94,9 @@ def test_compiled_head_dim_and_names():
 def test_split_rule():
     # A full grid never splits; a few rows against long keys split; short keys never do.
     assert flash.choose_num_splits(4000, 512, 132, 1) == 1
-    assert flash.choose_num_splits(8, 512, 132, 1) == min(-(-132 // 8), 512 // 4)
+    assert flash.choose_num_splits(8, 512, 132, 1) == 132 // 8         # fill one wave, not more
+    assert flash.choose_num_splits(128, 256, 132, 2) == 2                # 3 would start a 2nd wave
+    assert flash.choose_num_splits(200, 256, 132, 1) == 1
     assert flash.choose_num_splits(8, 3, 132, 1) == 1
     assert flash.choose_num_splits(1, 10_000, 132, 2) == tuning.FLASH_MAX_SPLITS
 
@@ -127,7 +129,7 @@ _CAND_FORMS = [(hd, t, causal) for hd, ts in _SWEEP_MOD.CANDIDATES.items() for t
 
 
 def _with_tiles(monkeypatch, tiles):
-    monkeypatch.setattr(tuning, "flash_tiles", lambda arch, hd, causal: tiles)
+    monkeypatch.setattr(tuning, "flash_tiles", lambda arch, hd, masked: tiles)
 
 
 @pytest.mark.parametrize("hd,tiles,causal", _CAND_FORMS,

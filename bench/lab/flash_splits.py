@@ -3,7 +3,7 @@
 python bench/lab/flash_splits.py
 For short-query / long-key shapes (decode-like prefill, chunked prefill) it times
 num_splits = 1, 2, 4, ..., 64 and the automatic choice, and prints microseconds with the
-best marked, so the constants FLASH_SPLIT_FILL_FRACTION / FLASH_MIN_TILES_PER_SPLIT /
+best marked, so the rule (cuattn.flash.choose_num_splits) and FLASH_MIN_TILES_PER_SPLIT /
 FLASH_MAX_SPLITS in cuattn/tuning.py can be checked against measurement.
 """
 from __future__ import annotations

@@ -87,7 +87,7 @@ def _precompile(cands, arch="sm_90", jobs=16):
     try:
         for hd, ts in cands.items():
             for t in ts:
-                tuning.flash_tiles = lambda a, h, c, t=t: t
+                tuning.flash_tiles = lambda a, h, masked, t=t: t
                 for causal in (False,) if (hd, label(t)) in FULL_ONLY else (False, True):
                     v = flash.forward_variant("bf16", hd, causal=causal, window=False,
                                               split=False, arch=arch)
@@ -141,7 +141,7 @@ def main():
                     if causal and (hd, label(t)) in FULL_ONLY:
                         row[label(t)] = "-"
                         continue
-                    tuning.flash_tiles = lambda arch, hd_, causal_, t=t: t
+                    tuning.flash_tiles = lambda arch, hd_, masked, t=t: t
                     try:
                         ms = median_ms(lambda: cuattn.flash_forward(q, k, v, causal=causal,
                                                                     out=out),
