@@ -546,8 +546,10 @@ __device__ void flash_fwd_kernel(const FlashFwdParams& p) {
     }
   } else {
     // ---- Phase 5: O -> T in this warp's own rows of the Q tile, then 16-byte stores ----------
-    // (Q_SMEM: the warp's last Q ldmatrix read these rows; order them before the writes.)
-    if constexpr (Q_SMEM > 0) __syncwarp();
+    // The warp's last ldmatrix of Q read these rows (in the key loop, or in Phase 2 when the
+    // loop ran no tile and so no barrier came between): order those reads before the writes.
+    // (compute-sanitizer racecheck flagged the missing barrier on rows that see no key.)
+    __syncwarp();
 #pragma unroll
     for (int mt = 0; mt < M_TILES; ++mt) {
 #pragma unroll
