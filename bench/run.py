@@ -32,6 +32,19 @@ def _available_suites() -> list[str]:
     return [s for s, mod in SUITES.items() if (here / (mod.split(".")[1] + ".py")).exists()]
 
 
+def _label(row: dict) -> str:
+    """A bar's label: the row's leading configuration fields (up to its first measurement)
+    and its version, if any."""
+    parts = []
+    for key, value in row.items():
+        if isinstance(value, float):
+            break
+        parts.append(f"{key}={value}" if isinstance(value, int) else str(value))
+    if "version" in row and str(row["version"]) not in parts:
+        parts.append(str(row["version"]))
+    return " ".join(parts)
+
+
 def _plot(results: dict, path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -40,13 +53,13 @@ def _plot(results: dict, path: str) -> None:
     fig, axes = plt.subplots(len(suites), 1, figsize=(10, 3.5 * len(suites)), squeeze=False)
     for ax, suite in zip(axes[:, 0], suites):
         rows = results["suites"][suite]
-        label_key = next(iter(rows[0]))
         metric = next((k for k in rows[0] if k.startswith("%")), None)
         if metric is None:
             continue
+        rows = [r for r in rows if isinstance(r.get(metric), (int, float))]  # skip refusals
+        labels = [_label(r) for r in rows]
         ax.bar(range(len(rows)), [r[metric] for r in rows])
-        ax.set_xticks(range(len(rows)), [str(r[label_key]) for r in rows], rotation=30,
-                      ha="right", fontsize=7)
+        ax.set_xticks(range(len(rows)), labels, rotation=60, ha="right", fontsize=6)
         ax.set_ylabel(metric)
         ax.set_title(f"{suite} ({results['ceilings']['device']})")
     fig.tight_layout()
