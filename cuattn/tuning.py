@@ -13,10 +13,10 @@ MERGE_NUM_THREADS = 256
 MERGE_SHIPPED_HEAD_SIZES = (64, 128, 256)
 
 # flash (flash_forward / flash_varlen_forward) ---------------------------------------------
-# (arch family, compiled head dim, causal) -> FlashTiles. Each warp owns 16 query rows
-# (BLOCK_M = 16 x NUM_WARPS in every entry below; the kernel also accepts 32 rows per warp:
-# with Q resident that fits at hd64 only for BLOCK_N 32, and with q_smem (Q re-read from
-# shared memory) at hd64 BN 64 / 128 and hd128 BN 32 / 64: bench/NOTES_flash.md, v2).
+# (arch family, compiled head dim, masked) -> FlashTiles. A warp owns BLOCK_M / NUM_WARPS
+# query rows: 16 (Q fragments resident in registers) or 32 with q_smem (Q re-read from
+# shared memory at each k16 step, which halves the K/V ldmatrix bytes per MMA: the shipped
+# hd64 and hd128 plain forms). bench/NOTES.md (flash) has the measurements.
 # Shared memory = Q tile + STAGES x (K tile + V tile) = 2 bytes x HEAD_DIM x
 # (BLOCK_M + 2 x STAGES x BLOCK_N); limits per block: sm_90 227 KB, sm_80 163 KB,
 # sm_86/sm_89 99 KB (and 228 / 164 / 100 KB per SM).
@@ -42,7 +42,7 @@ class FlashTiles:
     num_warps: int
     stages: int
     # Kernel knobs (cuda_src/flash_fwd.cuh, cuattn.flash.FlashFwdVariant); the defaults
-    # are the first measured kernel. bench/lab/flash_sweep.py times them; bench/NOTES_flash.md
+    # are the first measured kernel. bench/lab/flash_sweep.py times them; bench/NOTES.md (flash)
     # has what each is predicted to do.
     q_smem: int = 0          # 1: Q re-read from smem per k16 step (32 rows per warp fit);
                              # 2: and compact ldmatrix offsets
@@ -135,7 +135,7 @@ PAGED_NUM_THREADS = 128
 # Software pipeline of the K and V loads (cuda_src/paged_attention.cuh, PIPELINE): each
 # register of a step's K (V) vectors is refilled with the next step's vector as soon as it has
 # been unpacked, and the first V batch is issued before the softmax. Written on a CPU-only
-# machine against the H200 table in bench/NOTES_decode.md (kvh 8 = group 4 at 70-77% of read
+# machine against the H200 table in bench/NOTES.md (paged) (kvh 8 = group 4 at 70-77% of read
 # BW at batch x ctx >= 128k, 54% at 1 x 32768): predicted to raise group 4 the most, since its
 # longer math per step left loads idle. MEASURED (table above): +0.5 to +1.5 points with 256
 # threads, -5 to -25 points with 128 (more registers, fewer blocks): off.

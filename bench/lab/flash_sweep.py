@@ -3,7 +3,7 @@
 python bench/lab/flash_sweep.py [--seqlens 4096 16384] [--hd 64 128] [--only SUBSTR ...]
 For each (head dim, causal) of the benchmark configuration it times every candidate
 FlashTiles (BLOCK_M, BLOCK_N, NUM_WARPS, STAGES and the knobs q_smem / kv_split / softmax,
-see cuda_src/flash_fwd.cuh and bench/NOTES_flash.md) by swapping the tuning table's
+see cuda_src/flash_fwd.cuh and bench/NOTES.md (flash)) by swapping the tuning table's
 choice, and prints TFLOP/s (CUDA-graph replays) with the best marked. Every candidate's
 output is compared with the shipped kernel's (a wrong one is marked WRONG, never best); a
 candidate that fails to compile or launch prints its error and the sweep goes on.
@@ -26,7 +26,7 @@ def _t(bm, bn, w, st, **knobs):
 
 # Every candidate compiles for sm_90 with no spills and no stack, non-causal and causal
 # except FULL_ONLY (tests/test_flash.py::test_sweep_candidates_compile_for_sm90_without_spills
-# checks it). Registers / smem of each: bench/NOTES_flash.md (v2 knobs).
+# checks it). Registers / smem of each: bench/NOTES.md (flash) (v2 knobs).
 # The first of each list is today's tuned choice; the labels are label(t).
 CANDIDATES = {
     64: [
