@@ -10,7 +10,6 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-CUDA_SRC = None  # set lazily by cuda_src_dir()
 
 
 class CompileError(RuntimeError):
