@@ -129,10 +129,66 @@ class PagedVariant(Variant):
 
 
 @dataclass(frozen=True)
+class PagedMmaVariant(Variant):
+    """The tensor-core form (cuda_src/paged_attention_mma.cuh): 16-bit caches, head sizes
+    that are multiples of 16; same params, grid and outputs as PagedVariant."""
+    dtype: str            # q / out / caches: f16 / bf16
+    head_size: int
+    block_size: int
+    group: int            # query heads per thread block (the N columns of the MMAs, <= 8)
+    partition_size: int   # 0 = v1 (whole sequence), else v2's partition in tokens
+    alibi: bool
+    num_warps: int = 0    # 0 (the ring knobs): tuning.paged_mma_tiles picks
+    stages: int = 0
+    tile: int = 0
+    p_split: int = -1     # -1: tuning picks; 1: P as hi + lo halves (two P.V MMAs)
+
+    op: ClassVar[str] = "paged_mma"
+    header: ClassVar[str] = "paged_attention_mma.cuh"
+    kernel_template: ClassVar[str] = "paged_attention_mma_kernel"
+    params: ClassVar[ParamsStruct] = PARAMS
+
+    def __post_init__(self):
+        tiles = tuning.paged_mma_tiles(self.head_size)
+        for knob, unset in (("num_warps", 0), ("stages", 0), ("tile", 0), ("p_split", -1)):
+            if getattr(self, knob) == unset:
+                object.__setattr__(self, knob, int(getattr(tiles, knob)))
+
+    def name_parts(self):
+        return (self.dtype, f"hd{self.head_size}", f"bs{self.block_size}", f"g{self.group}",
+                f"p{self.partition_size}" if self.partition_size else "v1",
+                f"a{int(self.alibi)}", f"w{self.num_warps}", f"st{self.stages}",
+                f"tile{self.tile}") + (("psplit",) if self.p_split else ())
+
+    def template_args(self):
+        return (BY_SHORT[self.dtype].cpp, self.head_size, self.block_size, self.group,
+                self.partition_size, self.alibi, self.num_warps, self.stages, self.tile,
+                bool(self.p_split))
+
+    @property
+    def num_threads(self) -> int:
+        return 32 * self.num_warps
+
+    def source(self) -> str:
+        # Shared memory, not registers, bounds the blocks per SM (2 at hd128); under a plain
+        # __launch_bounds__(threads) ptxas capped some rings at 96 registers and spilled
+        # (NVRTC 12.x, sm_90, stages 4), while (threads, 1) leaves it 150-230 spill-free.
+        plain = f"__launch_bounds__({self.num_threads})"
+        src = super().source()
+        assert plain in src
+        return src.replace(plain, f"__launch_bounds__({self.num_threads}, 1)")
+
+    @property
+    def dynamic_smem_bytes(self) -> int:
+        # each warp's ring: stages x (K tile + V tile), 2-byte elements
+        return self.num_warps * self.stages * 2 * self.tile * self.head_size * 2
+
+
+@dataclass(frozen=True)
 class PagedReduceVariant(Variant):
     dtype: str
     head_size: int
-    num_threads: int = tuning.PAGED_REDUCE_MIN_THREADS
+    num_threads: int = 32   # 4 dims per thread, whole warps, x thread groups: _reduce_threads
 
     op: ClassVar[str] = "paged_reduce"
     header: ClassVar[str] = "paged_attention.cuh"
@@ -168,19 +224,20 @@ class ReshapeCacheVariant(Variant):
 
 
 def _reduce_threads(head_size: int) -> int:
-    return max(tuning.PAGED_REDUCE_MIN_THREADS, -(-head_size // 4 // 32) * 32)
+    """One thread per 4 dims (whole warps) x tuning.PAGED_REDUCE_GROUPS."""
+    return -(-head_size // 4 // 32) * 32 * tuning.PAGED_REDUCE_GROUPS
 
 
 def shipped_variants() -> list[Variant]:
-    """bf16/f16 x tuned head sizes x block 16 x v1/v2 x common GQA groups, plus the reduce
-    and reshape_and_cache variants of those dtypes."""
+    """bf16/f16 x tuned head sizes x block 16 x v1/v2 x common GQA groups (the form
+    paged_attention picks for each), plus the reduce and reshape_and_cache variants."""
     out: list[Variant] = []
     for dt in ("f16", "bf16"):
         for hs in tuning.PAGED_SHIPPED_HEAD_SIZES:
             for bs in tuning.PAGED_SHIPPED_BLOCK_SIZES:
                 for g in tuning.PAGED_SHIPPED_GROUPS:
                     for ps in (0, 512):
-                        out.append(PagedVariant(dt, dt, hs, bs, g, ps, False))
+                        out.append(_variant(dt, dt, hs, bs, g, ps, False))
             out.append(PagedReduceVariant(dt, hs, _reduce_threads(hs)))
         for slot64 in (False, True):
             out.append(ReshapeCacheVariant(dt, dt, slot64))
@@ -299,33 +356,67 @@ def _v1_kernel(key: PagedVariant, device_id: int):
     return kernel, limit
 
 
-def _v1_fits(key: PagedVariant, device_id: int, max_context: int) -> tuple[bool, int, int]:
+def _v1_fits(key, device_id: int, max_context: int) -> tuple[bool, int, int]:
+    """Whether v1's logits fit in shared memory (the tensor-core form keeps none: always)."""
+    if isinstance(key, PagedMmaVariant):
+        return True, 0, 0
     _, limit = _v1_kernel(key, device_id)
     need = 4 * key.group * key.logits_stride(max_context)
     return need <= limit, need, limit
 
 
-def _auto_version(v1_key: PagedVariant, num_heads: int, num_seqs: int, max_context: int,
-                  partition_size: int, device_id: int) -> str:
-    version = tuning.paged_version((num_heads // v1_key.group) * num_seqs, max_context,
-                                   partition_size, _sm_count(device_id))
-    if version == "v1" and not _v1_fits(v1_key, device_id, max_context)[0]:
-        version = "v2"
-    return version
+def _variant(dtype: str, cache: str, head_size: int, block_size: int, group: int,
+             partition_size: int, alibi: bool) -> PagedVariant | PagedMmaVariant:
+    """The main kernel's key: the tensor-core form where tuning.paged_uses_mma says so (or
+    _MMA_OVERRIDES["use"] forces it), else the CUDA-core form."""
+    use = _MMA_OVERRIDES.get("use")
+    if use is None:
+        use = tuning.paged_uses_mma(cache, head_size, group)
+    if use and cache != "e4m3" and head_size % 16 == 0:
+        knobs = {k: v for k, v in _MMA_OVERRIDES.items() if k != "use"}
+        return PagedMmaVariant(dtype, head_size, block_size, group, partition_size, alibi,
+                               **knobs)
+    return PagedVariant(dtype, cache, head_size, block_size, group, partition_size, alibi,
+                        **_VARIANT_OVERRIDES)
+
+
+def _choose(v1_key, version: str, partition_size: int | None, num_heads: int, num_seqs: int,
+            max_context: int, device_id: int) -> tuple[str, int]:
+    """(version, partition_size) that a call runs: "auto" by the tuning rule of its form, and
+    v2's partition when the call names none."""
+    num_ctas_v1 = (num_heads // v1_key.group) * num_seqs
+    if isinstance(v1_key, PagedMmaVariant):
+        if version == "auto":
+            return tuning.paged_mma_plan(num_ctas_v1, max_context, _sm_count(device_id),
+                                         partition_size)
+        if version == "v2" and partition_size is None:
+            return "v2", tuning.paged_mma_partition(num_ctas_v1, max_context,
+                                                    _sm_count(device_id))
+        return version, partition_size or 0
+    partition_size = partition_size or tuning.PAGED_PARTITION_SIZE
+    if version == "auto":
+        version = tuning.paged_version(num_ctas_v1, max_context, partition_size,
+                                       _sm_count(device_id))
+        if version == "v1" and not _v1_fits(v1_key, device_id, max_context)[0]:
+            version = "v2"
+    return version, partition_size
 
 
 def auto_version(q_shape, cache_dtype, nheads_kv: int, block_size: int, max_blocks_per_seq: int,
-                 *, alibi: bool = False, partition_size: int = 512, device_id: int = 0) -> str:
-    """What version="auto" runs for these shapes ("v1" or "v2"); for benchmarks and tests."""
+                 *, alibi: bool = False, partition_size: int | None = None,
+                 device_id: int = 0) -> str:
+    """What version="auto" runs for these shapes ("v1" or "v2 p<partition>"); for
+    benchmarks and tests."""
     num_seqs, num_heads, head_size = q_shape
     gqa = num_heads // nheads_kv
     group = max(g for g in range(1, tuning.PAGED_MAX_GROUP + 1) if gqa % g == 0)
     dt = np.dtype(cache_dtype)
     cache = "e4m3" if dt.itemsize == 1 else ("f16" if dt == np.float16 else "bf16")
-    key = PagedVariant("f16" if cache == "e4m3" else cache, cache, head_size, block_size, group,
-                       0, alibi, **_VARIANT_OVERRIDES)
-    return _auto_version(key, num_heads, num_seqs, max_blocks_per_seq * block_size,
-                         partition_size, device_id)
+    key = _variant("f16" if cache == "e4m3" else cache, cache, head_size, block_size, group,
+                   0, alibi)
+    version, ps = _choose(key, "auto", partition_size, num_heads, num_seqs,
+                          max_blocks_per_seq * block_size, device_id)
+    return version if version == "v1" else f"v2 p{ps}"
 
 
 # -- paged_attention --------------------------------------------------------------------------
@@ -345,6 +436,9 @@ _plans: dict = {}
 # Knobs forced on every PagedVariant that paged_attention builds (pipeline, min_blocks,
 # num_threads): for bench/lab/decode_sweep.py only, which clears _plans after changing it.
 _VARIANT_OVERRIDES: dict = {}
+# The same for the tensor-core form (num_warps, stages, tile, p_split), and "use": True /
+# False to force it on / off where it can run.
+_MMA_OVERRIDES: dict = {}
 
 
 def _static_tail(ps: ParamsStruct, n_ptrs: int, **fields) -> bytes:
@@ -395,7 +489,7 @@ def _signature(q, k_cache, v_cache, block_tables, seq_lens, alibi_slopes, out, s
 
 def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, *, softmax_scale=None,
                     k_scale=1.0, v_scale=1.0, alibi_slopes=None, version="auto",
-                    partition_size=512, return_lse=False, out=None, stream=None):
+                    partition_size=None, return_lse=False, out=None, stream=None):
     """Decode attention of one query token per sequence over a paged KV cache.
 
     q: (num_seqs, nheads, head_size) float16 / bfloat16.
@@ -406,7 +500,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, *, softmax_scal
     block_tables: int32 (num_seqs, max_blocks_per_seq); seq_lens: int32 (num_seqs,). A
         sequence longer than max_blocks_per_seq * block_size is clamped to that.
     alibi_slopes: float32 (nheads,) or None; bias slope * (j - seq_len + 1) on key j.
-    version: "v1", "v2" or "auto"; partition_size: v2's tokens per thread block.
+    version: "v1", "v2" or "auto"; partition_size: v2's tokens per thread block, one of
+        128 / 256 / 512 / 1024, or None: the tuning rule's choice (cuattn.tuning).
     Returns out (like q), or (out, lse) with lse float32 (nheads, num_seqs), natural log,
     -inf for an empty sequence: the layout cuattn.merge_attn_states takes.
     """
@@ -516,10 +611,11 @@ def _make_plan(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, k_sca
         A.check_last_dim_contiguous(alibi_slopes, "alibi_slopes")
     if not isinstance(version, str) or version not in ("auto", "v1", "v2"):
         raise ValueError(f"version: expected 'auto', 'v1' or 'v2', got {version!r}")
-    if partition_size not in tuning.PAGED_PARTITION_SIZES:
-        raise ValueError(f"partition_size: expected one of {tuning.PAGED_PARTITION_SIZES}, "
-                         f"got {partition_size!r}")
-    partition_size = int(partition_size)
+    if partition_size is not None:
+        if partition_size not in tuning.PAGED_PARTITION_SIZES or isinstance(partition_size, bool):
+            raise ValueError(f"partition_size: expected None or one of "
+                             f"{tuning.PAGED_PARTITION_SIZES}, got {partition_size!r}")
+        partition_size = int(partition_size)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(head_size)
     try:
@@ -554,12 +650,10 @@ def _make_plan(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, k_sca
                 v_align=min(16, block_size * v_cache.itemsize))
 
     with cupy.cuda.Device(device_id):
-        v1_key = PagedVariant(dtype.short, cache, head_size, block_size, group, 0, alibi,
-                              **_VARIANT_OVERRIDES)
-        if version == "auto":
-            version = _auto_version(v1_key, num_heads, num_seqs, max_context, partition_size,
-                                    device_id)
-        elif version == "v1":
+        v1_key = _variant(dtype.short, cache, head_size, block_size, group, 0, alibi)
+        version, partition_size = _choose(v1_key, version, partition_size, num_heads, num_seqs,
+                                          max_context, device_id)
+        if version == "v1":
             fits, need, limit = _v1_fits(v1_key, device_id, max_context)
             if not fits:
                 raise ValueError(
@@ -592,17 +686,19 @@ def _make_plan(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, k_sca
         grid_x = num_heads // group
 
         if version == "v1":
-            kernel, _ = _v1_kernel(v1_key, device_id)
-            ls = v1_key.logits_stride(max_context)
+            if isinstance(v1_key, PagedMmaVariant):   # online softmax: no logits buffer
+                kernel, ls, smem = get_kernel(v1_key, device_id), 0, v1_key.dynamic_smem_bytes
+            else:
+                kernel, _ = _v1_kernel(v1_key, device_id)
+                ls = v1_key.logits_stride(max_context)
+                smem = 4 * group * ls
             tail = _static_tail(PARAMS, 10, out_stride_seq=o_seq, out_stride_head=o_head,
                                 lse_stride_head=l_head, lse_stride_seq=l_seq, max_parts=1,
                                 logits_stride=ls, **common)
             return _Plan(version="v1", kernel=kernel, grid=(grid_x, num_seqs, 1),
-                         block=(v1_key.num_threads,), smem=4 * group * ls, tail=tail,
-                         **base), arrays
+                         block=(v1_key.num_threads,), smem=smem, tail=tail, **base), arrays
 
-        key = PagedVariant(dtype.short, cache, head_size, block_size, group, partition_size, alibi,
-                           **_VARIANT_OVERRIDES)
+        key = _variant(dtype.short, cache, head_size, block_size, group, partition_size, alibi)
         rkey = PagedReduceVariant(dtype.short, head_size, _reduce_threads(head_size))
         kernel = get_kernel(key, device_id)
         reduce = get_kernel(rkey, device_id)
@@ -611,7 +707,8 @@ def _make_plan(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, k_sca
         tmp_lse_bytes = num_seqs * num_heads * max_parts * 4
         tail = _static_tail(PARAMS, 10, out_stride_seq=0, out_stride_head=0, lse_stride_head=0,
                             lse_stride_seq=0, max_parts=max_parts,
-                            logits_stride=key.logits_stride(0), **common)
+                            logits_stride=0 if isinstance(key, PagedMmaVariant)
+                            else key.logits_stride(0), **common)
         rtail = _static_tail(REDUCE_PARAMS, 5, out_stride_seq=o_seq, out_stride_head=o_head,
                              lse_stride_head=l_head, lse_stride_seq=l_seq, num_heads=num_heads,
                              max_parts=max_parts, partition_size=partition_size,

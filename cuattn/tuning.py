@@ -160,11 +160,49 @@ def paged_pipeline(cache_dtype: str, head_size: int, block_size: int, group: int
     if ngt * ku > PAGED_PIPELINE_K_MAX_VECS:
         bits &= ~1
     return bits
+# Tensor-core form (cuda_src/paged_attention_mma.cuh, cuattn.paged.PagedMmaVariant): the
+# group's query heads are the N side of mma.sync, K and V the A side straight from their
+# cache layouts, each warp a cp.async ring of STAGES tiles of TILE tokens. Written against
+# the CUDA-core kernel's measured shortfall at group 4 (76-85% of read bandwidth, bound by
+# its GROUP dot products per loaded element, bench/NOTES.md paged); first guesses: 96 KB of
+# ring per 4-warp block at hd128 (two blocks, ~128 KB of loads in flight per SM).
+@_dataclass(frozen=True)
+class PagedMmaTiles:
+    num_warps: int = 4
+    stages: int = 3
+    tile: int = 16          # tokens per warp step (16 or 32)
+    p_split: bool = True    # P as bf16/f16 hi + lo (two P.V MMAs): ~fp32 accuracy
+
+
+PAGED_MMA = PagedMmaTiles()
+# Smallest GQA group that takes the tensor-core form (16-bit caches, head size % 16 == 0).
+# MEASURED (decode_sweep, H200, hd128 bs16, % of read BW, CUDA-core t128 -> tensor-core):
+# group 4: 32 x 4096 v2 p512 84 -> 92 (v1 66 -> 98), 8 x 32768 p512 87 -> 98, 1 x 32768
+# p1024 56 -> 66; and even group 1 (7 of 8 MMA columns idle): 32 x 4096 p512 104 -> 109,
+# 1 x 32768 p1024 92 -> 94. So every group.
+PAGED_MMA_MIN_GROUP = 1
+
+
+def paged_mma_tiles(head_size: int) -> PagedMmaTiles:
+    """Ring shape for a head size: above 128 two stages keep two blocks per SM up to hd192."""
+    return PAGED_MMA if head_size <= 128 else PagedMmaTiles(stages=2)
+
+
+def paged_uses_mma(cache_dtype: str, head_size: int, group: int) -> bool:
+    """Whether paged_attention runs the tensor-core form for this cache and group."""
+    return cache_dtype != "e4m3" and head_size % 16 == 0 and group >= PAGED_MMA_MIN_GROUP
+
+
 # Query heads served by one thread block: the largest divisor of the GQA ratio <= this.
 # Every K/V byte is read num_heads / num_kv_heads / group times (once for ratios <= 8).
 PAGED_MAX_GROUP = 8
 PAGED_PARTITION_SIZES = (128, 256, 512, 1024)
-PAGED_REDUCE_MIN_THREADS = 32          # reduce: one thread per 4 dims, at least one warp
+# Partition reduce: one thread per 4 dims (rounded up to a warp) x this many thread groups,
+# each taking every GROUPS-th partition. With one group, batch 1 x 32768 tokens (kv heads 8,
+# 32 or 64 partitions per row, 32 rows) spent more time in the reduce's chain of dependent
+# loads than the partition size saved: v2 p256 52% vs p1024 66% of read BW (decode_sweep,
+# H200, tensor-core form). Four groups: first guess, unmeasured.
+PAGED_REDUCE_GROUPS = 4
 RESHAPE_CACHE_NUM_THREADS = 128
 # Shipped (precompiled) set: bf16/f16 x these head sizes x block 16 x v1/v2 x groups.
 PAGED_SHIPPED_HEAD_SIZES = (64, 128, 256)
@@ -177,9 +215,37 @@ PAGED_SHIPPED_GROUPS = (1, 4, 8)
 # takes v1 only when one partition covers the context.
 
 
+# The CUDA-core form's partition when the call names none (vLLM's default).
+PAGED_PARTITION_SIZE = 512
+
+
 def paged_version(num_ctas_v1: int, max_context: int, partition_size: int, num_sms: int) -> str:
-    """"v1" or "v2" for version="auto" (a host-side bound only: no data is read)."""
+    """CUDA-core form: "v1" or "v2" for version="auto" (a host-side bound: no data is read)."""
     return "v1" if max_context <= partition_size else "v2"
+
+
+# Tensor-core form, version="auto" (and v2's partition when the call names none). MEASURED
+# (bench/lab/decode_sweep.py, H200, bf16 hd128 bs16, % of read BW; NOTES.md paged round 3):
+# its v1 keeps no logits, so it has no length limit, and whenever the v1 grid alone fills the
+# SMs it beats v2 (kvh 8: 32 x 4096 (256 blocks) v1 98 vs v2 p1024 95 / p512 92; 128 x 2048
+# v1 105 vs 101); below that, the longest partitions that still fill the SMs won everywhere
+# (kvh 8, 8 x 32768: p1024 100 / p512 98 / p256 92; 1 x 32768: 66 / 59 / 52; kvh 32, 1 x
+# 32768: 94 / 92 / 86): fewer partitions, less scratch and a shorter reduce.
+def paged_mma_partition(num_ctas_v1: int, max_context: int, num_sms: int) -> int:
+    """v2's partition when the call names none: the longest whose grid fills the SMs."""
+    for ps in sorted(PAGED_PARTITION_SIZES, reverse=True):
+        if num_ctas_v1 * -(-max_context // ps) >= num_sms:
+            return ps
+    return min(PAGED_PARTITION_SIZES)
+
+
+def paged_mma_plan(num_ctas_v1: int, max_context: int, num_sms: int,
+                   partition_size: int | None = None) -> tuple[str, int]:
+    """(version, partition_size) for version="auto"; a given partition_size is kept."""
+    if num_ctas_v1 >= num_sms:
+        return "v1", 0
+    ps = partition_size or paged_mma_partition(num_ctas_v1, max_context, num_sms)
+    return ("v1", 0) if max_context <= ps else ("v2", ps)
 
 
 def paged_min_blocks(cache_dtype: str, head_size: int, block_size: int, group: int,

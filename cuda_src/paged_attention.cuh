@@ -482,15 +482,25 @@ struct PagedReduceParams {
   int max_seq_len;        // max_blocks_per_seq * block_size (the clamp of the main kernel)
 };
 
-// Grid: (num_heads, num_seqs), block: (NUM_THREADS); each thread owns 4 dims of the row.
+// Grid: (num_heads, num_seqs), block: (NUM_THREADS) = DIM_THREADS (4 dims each) x GROUPS.
 // Merges the partitions of one (sequence, head) with the online-softmax formula
 // (m = max lse_i, out = sum e^(lse_i - m) o_i / sum e^(lse_i - m)); one partition is copied
-// through, none (an empty sequence) gives zeros and lse = -inf.
+// through, none (an empty sequence) gives zeros and lse = -inf. The GROUPS thread groups take
+// every GROUPS-th partition, so that at batch 1 (tens of partitions per row, a few rows) the
+// loads of different partitions are in flight together instead of one after another.
 template <typename T, int HEAD_SIZE, int NUM_THREADS>
 __device__ void paged_attention_reduce_kernel(const PagedReduceParams& p) {
   static_assert(HEAD_SIZE % 4 == 0, "float4 rows");
+  constexpr int DIM_THREADS = (HEAD_SIZE / 4 + 31) / 32 * 32;
+  constexpr int GROUPS = NUM_THREADS / DIM_THREADS;
+  static_assert(GROUPS >= 1 && NUM_THREADS % DIM_THREADS == 0, "whole thread groups");
+  constexpr int NUM_WARPS = NUM_THREADS / 32;
+  __shared__ float red_s[NUM_WARPS];
+  __shared__ float4 acc_s[GROUPS][DIM_THREADS];
+
   const int head = blockIdx.x, seq = blockIdx.y;
-  const int d = threadIdx.x * 4;
+  const int tid = threadIdx.x, group = tid / DIM_THREADS;
+  const int d = (tid % DIM_THREADS) * 4;
   int seq_len = static_cast<const int*>(p.seq_lens)[seq];
   seq_len = min(max(seq_len, 0), p.max_seq_len);
   const int num_parts = (seq_len + p.partition_size - 1) / p.partition_size;
@@ -498,35 +508,63 @@ __device__ void paged_attention_reduce_kernel(const PagedReduceParams& p) {
   const float* lse_row = static_cast<const float*>(p.tmp_lse) + row * p.max_parts;
   const float* out_row = static_cast<const float*>(p.tmp_out) + row * p.max_parts * HEAD_SIZE + d;
 
+  // Block-wide max / sum of one value per thread (every thread gets the result).
+  auto block_reduce = [&](float v, bool is_max) {
+#pragma unroll
+    for (int off = 16; off > 0; off /= 2) {
+      const float o = __shfl_xor_sync(0xffffffffu, v, off);
+      v = is_max ? fmaxf(v, o) : v + o;
+    }
+    __syncthreads();   // red_s is free
+    if (tid % 32 == 0) red_s[tid / 32] = v;
+    __syncthreads();
+    v = red_s[0];
+#pragma unroll
+    for (int w = 1; w < NUM_WARPS; ++w) v = is_max ? fmaxf(v, red_s[w]) : v + red_s[w];
+    return v;
+  };
+
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
   float lse = neg_inf();
   if (num_parts == 1) {
     if (d < HEAD_SIZE) acc = *reinterpret_cast<const float4*>(out_row);
     lse = lse_row[0];
-  } else if (num_parts > 1) {
+  } else if (num_parts > 1) {   // uniform across the block: the barriers below are safe
     float m = neg_inf();
-    for (int i = 0; i < num_parts; ++i) m = fmaxf(m, lse_row[i]);
+    for (int i = tid; i < num_parts; i += NUM_THREADS) m = fmaxf(m, lse_row[i]);
+    m = block_reduce(m, true);
     float wsum = 0.f;
+    for (int i = tid; i < num_parts; i += NUM_THREADS) wsum += __expf(lse_row[i] - m);
+    wsum = block_reduce(wsum, false);
+    if (d < HEAD_SIZE) {
 #pragma unroll 4
-    for (int i = 0; i < num_parts; ++i) {
-      const float w = __expf(lse_row[i] - m);
-      wsum += w;
-      if (d < HEAD_SIZE) {
+      for (int i = group; i < num_parts; i += GROUPS) {
+        const float w = __expf(lse_row[i] - m);
         const float4 o = *reinterpret_cast<const float4*>(out_row + (long long)i * HEAD_SIZE);
         acc.x = fmaf(w, o.x, acc.x); acc.y = fmaf(w, o.y, acc.y);
         acc.z = fmaf(w, o.z, acc.z); acc.w = fmaf(w, o.w, acc.w);
+      }
+    }
+    if (GROUPS > 1) {
+      acc_s[group][tid % DIM_THREADS] = acc;
+      __syncthreads();
+      acc = acc_s[0][tid % DIM_THREADS];
+#pragma unroll
+      for (int k = 1; k < GROUPS; ++k) {
+        const float4 o = acc_s[k][tid % DIM_THREADS];
+        acc.x += o.x; acc.y += o.y; acc.z += o.z; acc.w += o.w;
       }
     }
     const float inv = 1.f / wsum;
     acc.x *= inv; acc.y *= inv; acc.z *= inv; acc.w *= inv;
     lse = m + __logf(wsum);
   }
-  if (d < HEAD_SIZE) {
+  if (group == 0 && d < HEAD_SIZE) {
     T* o = static_cast<T*>(const_cast<void*>(p.out)) + seq * p.out_stride_seq + head * p.out_stride_head + d;
     o[0] = from_float<T>(acc.x); o[1] = from_float<T>(acc.y);
     o[2] = from_float<T>(acc.z); o[3] = from_float<T>(acc.w);
   }
-  if (threadIdx.x == 0 && p.lse != nullptr)
+  if (tid == 0 && p.lse != nullptr)
     static_cast<float*>(const_cast<void*>(p.lse))[head * p.lse_stride_head + seq * p.lse_stride_seq] = lse;
 }
 

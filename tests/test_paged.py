@@ -17,8 +17,8 @@ import pytest
 
 import cuattn
 from cuattn import jit
-from cuattn.paged import (HEAD_SIZES, PagedReduceVariant, PagedVariant, ReshapeCacheVariant,
-                          shipped_variants)
+from cuattn.paged import (HEAD_SIZES, PagedMmaVariant, PagedReduceVariant, PagedVariant,
+                          ReshapeCacheVariant, shipped_variants)
 from tests.reference import tolerance
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -59,6 +59,9 @@ def _odd_variants():
             out.append(PagedVariant("bf16", "e4m3", hs, 8, 8, 0, True))
             out.append(PagedVariant("f16", "e4m3", hs, 16, 4, 1024, False))
         out.append(PagedReduceVariant("f16", hs, max(32, -(-hs // 4 // 32) * 32)))
+        if hs % 16 == 0:
+            out.append(PagedMmaVariant("bf16", hs, 32, 8, 512, True))
+            out.append(PagedMmaVariant("f16", hs, 8, 3, 0, False))
     out += [ReshapeCacheVariant(dt, "e4m3", s64) for dt in ("f16", "bf16") for s64 in (False, True)]
     return out
 
@@ -73,7 +76,9 @@ def test_representative_variants_compile_for_older_archs(arch):
           PagedVariant("f16", "f16", 128, 16, 1, 512, False),
           PagedVariant("bf16", "e4m3", 256, 16, 8, 512, True),
           PagedReduceVariant("bf16", 128, 32),
-          ReshapeCacheVariant("bf16", "e4m3", True)]
+          ReshapeCacheVariant("bf16", "e4m3", True),
+          PagedMmaVariant("bf16", 128, 16, 4, 512, False),
+          PagedMmaVariant("f16", 256, 16, 8, 0, True)]
     _assert_clean(_compile_all(vs, arch), arch)
 
 
@@ -107,6 +112,50 @@ def test_variant_names_and_keys():
     assert p3.template_args()[-1] == 3
     names = [x.name for x in shipped_variants()]
     assert len(names) == len(set(names))
+
+
+# Ring shapes bench/lab/decode_sweep.py times for the tensor-core form (num_warps, stages,
+# tile, p_split); the first is the default.
+MMA_KNOBS = [dict(), dict(stages=4), dict(stages=2), dict(tile=32, stages=2), dict(num_warps=8),
+             dict(num_warps=2, stages=4), dict(p_split=0)]
+
+
+def test_mma_variant_names_and_rule():
+    from cuattn import paged, tuning
+    v = PagedMmaVariant("bf16", 128, 16, 4, 512, False)
+    t = tuning.paged_mma_tiles(128)
+    assert v.name == (f"cuattn_paged_mma__bf16_hd128_bs16_g4_p512_a0_w{t.num_warps}"
+                      f"_st{t.stages}_tile{t.tile}" + ("_psplit" if t.p_split else ""))
+    assert v.dynamic_smem_bytes == t.num_warps * t.stages * 2 * t.tile * 128 * 2
+    # where the tensor-core form runs: 16-bit caches, head size % 16, group >= the minimum
+    g = tuning.PAGED_MMA_MIN_GROUP
+    assert isinstance(paged._variant("bf16", "bf16", 128, 16, g, 512, False), PagedMmaVariant)
+    assert isinstance(paged._variant("bf16", "e4m3", 128, 16, 8, 512, False), PagedVariant)
+    assert isinstance(paged._variant("f16", "f16", 120, 16, 8, 512, False), PagedVariant)
+    if g > 1:
+        assert isinstance(paged._variant("bf16", "bf16", 128, 16, g - 1, 0, False), PagedVariant)
+
+
+def test_auto_rule_of_the_tensor_core_form():
+    from cuattn import tuning
+    sms = 132
+    assert tuning.paged_mma_plan(256, 4096, sms) == ("v1", 0)          # v1 fills the SMs
+    assert tuning.paged_mma_plan(64, 32768, sms) == ("v2", 1024)
+    assert tuning.paged_mma_plan(8, 32768, sms) == ("v2", 1024)        # 256 blocks
+    assert tuning.paged_mma_plan(8, 4096, sms) == ("v2", 128)          # 256 blocks
+    assert tuning.paged_mma_plan(1, 100, sms) == ("v1", 0)             # one partition
+    assert tuning.paged_mma_plan(8, 32768, sms, 256) == ("v2", 256)    # the call's partition
+    assert tuning.paged_mma_plan(8, 200, sms, 256) == ("v1", 0)
+    # version="v2" without a partition: the same partition rule, even where v1 would fill
+    assert tuning.paged_mma_partition(256, 4096, sms) == 1024
+    assert tuning.paged_mma_partition(8, 4096, sms) == 128
+
+
+def test_mma_knob_variants_compile_for_sm90_without_spills_or_stack():
+    vs = [PagedMmaVariant(dt, hs, bs, g, ps, False, **kn) for kn in MMA_KNOBS
+          for dt, hs, bs, g, ps in [("bf16", 128, 16, 4, 512), ("bf16", 128, 16, 1, 0),
+                                    ("f16", 64, 8, 8, 128), ("bf16", 256, 32, 2, 1024)]]
+    _assert_clean(_compile_all(vs, "sm_90"), "sm_90")
 
 
 def test_pipeline_rule():
@@ -462,6 +511,7 @@ def test_pipeline_knob(rng, pipeline, head_size, block_size, gqa):
                      block_size=block_size, dtype="bf16")
     dcase = _to_device(case)
     group = max(g for g in range(1, 9) if gqa % g == 0)
+    paged._MMA_OVERRIDES["use"] = False     # the CUDA-core form, whose knob this is
     paged._VARIANT_OVERRIDES.update(pipeline=pipeline, min_blocks=tuning.paged_min_blocks(
         "bf16", head_size, block_size, group, pipeline))
     paged._plans.clear()
@@ -471,7 +521,65 @@ def test_pipeline_knob(rng, pipeline, head_size, block_size, gqa):
         _run(case, dcase, "bf16", "v2", ref=ref, partition_size=512)
     finally:
         paged._VARIANT_OVERRIDES.clear()
+        paged._MMA_OVERRIDES.clear()
         paged._plans.clear()
+
+
+@pytest.fixture
+def form(request):
+    """Force the tensor-core ("mma") or the CUDA-core ("cuda_core") form, knobs optional."""
+    from cuattn import paged
+    use, knobs = request.param
+    paged._MMA_OVERRIDES.update(use=use, **knobs)
+    paged._plans.clear()
+    yield use
+    paged._MMA_OVERRIDES.clear()
+    paged._plans.clear()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("form", [(False, {}), (True, {})], ids=["cuda_core", "mma"],
+                         indirect=True)
+@pytest.mark.parametrize("gqa,head_size,block_size,dtype,alibi", [
+    (1, 128, 16, "bf16", False), (4, 64, 8, "f16", True), (8, 256, 32, "bf16", False),
+    (3, 112, 16, "f16", False), (16, 80, 16, "bf16", True)])
+def test_both_forms(rng, form, gqa, head_size, block_size, dtype, alibi):
+    """The tensor-core and CUDA-core forms on the same cases (either may be picked by the
+    tuning rule): odd groups (3: padded head columns), every block size, ALiBi, v1 and v2 with
+    one and many partitions, NaN in every slot that must not be read."""
+    case = make_case(rng, lengths=LENGTHS(block_size), nkv=2, gqa=gqa, head_size=head_size,
+                     block_size=block_size, dtype=dtype, alibi=alibi)
+    dcase = _to_device(case)
+    ref, _ = _run(case, dcase, dtype, "v1")
+    _run(case, dcase, dtype, "v2", ref=ref, partition_size=128)
+    _run(case, dcase, dtype, "v2", ref=ref, partition_size=1024)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("form", [(True, kn) for kn in MMA_KNOBS], indirect=True,
+                         ids=lambda p: "_".join(f"{k}{v}" for k, v in p[1].items()) or "default")
+def test_mma_knobs(rng, form):
+    """Every ring shape the sweep times, against the reference; a long context too (many
+    tiles per warp, so the ring wraps many times)."""
+    case = make_case(rng, lengths=LENGTHS(16) + [20000], nkv=2, gqa=4, head_size=128,
+                     block_size=16, dtype="bf16")
+    dcase = _to_device(case)
+    ref, _ = _run(case, dcase, "bf16", "v1")
+    _run(case, dcase, "bf16", "v2", ref=ref, partition_size=512)
+
+
+@pytest.mark.gpu
+def test_large_scores_and_one_dominant_token(rng):
+    """Scores of magnitude ~1e4 (overflow unless the max is subtracted) and softmaxes that a
+    few tokens dominate (where a P rounded to bf16 alone would be off by 2^-9)."""
+    for gqa in (1, 4):
+        case = make_case(rng, lengths=[1, 2, 3, 17, 300], nkv=2, gqa=gqa, head_size=128,
+                         block_size=16, dtype="bf16")
+        case["q"] = (case["q"].astype(np.float32) * 100).astype(BF16)
+        dcase = _to_device(case)
+        for scale in (1.0, 1 / math.sqrt(128)):
+            ref, _ = _run(case, dcase, "bf16", "v2", softmax_scale=scale)
+            _run(case, dcase, "bf16", "v1", ref=ref, softmax_scale=scale)
 
 
 @pytest.mark.gpu
@@ -609,7 +717,8 @@ def test_bad_inputs_raise_naming_the_argument(what, mutate, exc, name):
 
 
 @pytest.mark.gpu
-def test_v1_too_long_is_a_clear_error_and_auto_falls_back():
+@pytest.mark.parametrize("form", [(False, {})], ids=["cuda_core"], indirect=True)
+def test_v1_too_long_is_a_clear_error_and_auto_falls_back(form):
     import cupy as cp
     a = _good_args()
     a["block_tables"] = cp.zeros((3, 20000), np.int32)     # 320k tokens x 4 heads of logits
@@ -617,6 +726,15 @@ def test_v1_too_long_is_a_clear_error_and_auto_falls_back():
         cuattn.paged_attention(**a, version="v1")
     out = cuattn.paged_attention(**a, version="auto")
     assert out.shape == (3, 8, 128)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("form", [(True, {})], ids=["mma"], indirect=True)
+def test_v1_of_the_tensor_core_form_has_no_length_limit(rng, form):
+    """Its v1 keeps an online softmax, not the logits: a 40000-token sequence runs."""
+    case = make_case(rng, lengths=[40000, 7], nkv=1, gqa=4, head_size=64, block_size=32,
+                     dtype="f16")
+    _run(case, _to_device(case), "f16", "v1")
 
 
 @pytest.mark.gpu

@@ -52,7 +52,9 @@ def _load(key: Variant, device_id: int):
             module = cupy.cuda.function.Module()
             module.load(cubin)
         function = module.get_function(key.name)
-        if key.dynamic_smem_bytes > 48 * 1024:
+        # The default cap is 48 KB of dynamic + static shared memory together: raise it for
+        # any dynamic size (48 KB of ring + 256 B of static failed to launch otherwise).
+        if key.dynamic_smem_bytes > 0:
             driver = cupy.cuda.driver
             driver.funcSetAttribute(function.ptr,
                                     driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,

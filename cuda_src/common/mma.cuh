@@ -24,6 +24,15 @@ template <> __device__ __forceinline__ u32 pack_pair<__nv_bfloat16>(float lo, fl
   return *reinterpret_cast<u32*>(&h);
 }
 
+// One 32-bit register of two T -> two floats (the inverse of pack_pair).
+template <typename T> __device__ __forceinline__ float2 unpack_pair(u32 x);
+template <> __device__ __forceinline__ float2 unpack_pair<__half>(u32 x) {
+  return __half22float2(*reinterpret_cast<__half2*>(&x));
+}
+template <> __device__ __forceinline__ float2 unpack_pair<__nv_bfloat16>(u32 x) {
+  return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&x));
+}
+
 // ---- mma.sync.aligned.m16n8k16.row.col, fp32 accumulate --------------------------------
 // With g = lane / 4 and t = lane % 4:
 //   A (16x16, row-major): a[0] = (g, 2t..2t+1), a[1] = (g+8, 2t..), a[2] = (g, 2t+8..),
@@ -76,6 +85,15 @@ __device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], u32 addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(addr));
+}
+
+// ---- movmatrix ----------------------------------------------------------------------------
+// An 8x8 matrix of 16-bit pairs in the mma fragment layout (lane l: row l / 4, columns
+// 2 (l % 4), +1) -> its transpose in the same layout.
+__device__ __forceinline__ u32 movmatrix_trans(u32 x) {
+  u32 y;
+  asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+  return y;
 }
 
 // ---- cp.async (global -> shared, 16 bytes, L2 only) ---------------------------------------
