@@ -5,6 +5,8 @@ argument's name, before anything is launched.
 """
 from __future__ import annotations
 
+import math
+
 import cupy
 import numpy as np
 
@@ -65,6 +67,25 @@ def check_aligned(x: cupy.ndarray, alignment: int, name: str) -> None:
                          f"got address {x.data.ptr:#x}, strides {x.strides}")
 
 
+LOG2E = 1.4426950408889634
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def check_softmax_scale(value, head_dim: int, factor: float = 1.0) -> float:
+    """softmax_scale as a float (None: 1 / sqrt(head_dim)). Kernels multiply it by log2(e)
+    (and ``factor``, e.g. an fp8 k_scale) in float32, so that product must be finite too."""
+    if value is None:
+        value = 1.0 / math.sqrt(head_dim)
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"softmax_scale: expected a float or None, got "
+                        f"{type(value).__name__}") from None
+    if not (math.isfinite(value) and 0 < value * factor * LOG2E <= _FLOAT32_MAX):
+        raise ValueError(f"softmax_scale: expected a finite positive number, got {value}")
+    return value
+
+
 def check_same_device(arrays: dict, device_id: int) -> None:
     for name, x in arrays.items():
         if x is not None and x.device.id != device_id:
@@ -90,3 +111,14 @@ def resolve_stream(stream):
         return cupy.cuda.ExternalStream(handle)
     raise TypeError(f"stream: expected a cupy.cuda.Stream, a raw handle (int) or None, "
                     f"got {type(stream).__name__}")
+
+
+# Scratch buffers of calls captured into CUDA graphs: a graph replays into the same addresses,
+# so the memory pool must never hand them out again (kept for the life of the process).
+_graph_scratch: list = []
+
+
+def keep_if_capturing(stream, *buffers) -> None:
+    """Keep ``buffers`` alive forever when ``stream`` is capturing a graph."""
+    if stream.is_capturing():
+        _graph_scratch.extend(buffers)

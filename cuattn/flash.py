@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -36,7 +35,6 @@ PARAMS = ParamsStruct("FlashFwdParams", [
 ])
 
 MAX_HEAD_DIM = 256
-_LOG2E = 1.4426950408889634
 _MAX_GRID_YZ = 65535
 _INT32_MAX = 2**31 - 1
 _MAX_SEQLEN = 2**29     # keeps every band bound of the kernel inside int32
@@ -171,7 +169,9 @@ def _check_qkv(q, k, v, ndim: int, doc_q: str, doc_kv: str):
     if k.shape[-1] != head_dim:
         raise ValueError(f"k: head dim {k.shape[-1]} differs from q's {head_dim}")
     nheads, nheads_kv = q.shape[-2], k.shape[-2]
-    if nheads < 1 or nheads_kv < 1 or nheads % nheads_kv:
+    if nheads < 1:
+        raise ValueError(f"q: expected at least one head {doc_q}, got shape {tuple(q.shape)}")
+    if nheads_kv < 1 or nheads % nheads_kv:
         raise ValueError(f"k: nheads_kv = {nheads_kv} must divide nheads = {nheads} "
                          "(query head h reads kv head h // (nheads // nheads_kv))")
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -185,20 +185,15 @@ def _check_qkv(q, k, v, ndim: int, doc_q: str, doc_kv: str):
 def _check_options(causal, softmax_scale, window_size, num_splits, head_dim):
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(head_dim)
+    softmax_scale = A.check_softmax_scale(softmax_scale, head_dim)
     try:
-        softmax_scale = float(softmax_scale)
+        left, right = window_size
     except (TypeError, ValueError):
-        raise TypeError(f"softmax_scale: expected a float or None, got "
-                        f"{type(softmax_scale).__name__}") from None
-    if not math.isfinite(softmax_scale) or softmax_scale <= 0:
-        raise ValueError(f"softmax_scale: expected a finite positive number, got {softmax_scale}")
-    try:
-        left, right = (int(w) for w in window_size)
-    except (TypeError, ValueError):
+        left = right = None
+    if not all(isinstance(w, (int, np.integer)) and not isinstance(w, bool) for w in (left, right)):
         raise TypeError(f"window_size: expected a pair of ints (left, right), got "
-                        f"{window_size!r}") from None
+                        f"{window_size!r}")
+    left, right = int(left), int(right)
     if left < -1 or right < -1:
         raise ValueError(f"window_size: each side is -1 (unbounded) or >= 0, got {window_size}")
     if isinstance(num_splits, bool) or not isinstance(num_splits, (int, np.integer)):
@@ -230,6 +225,7 @@ def _check_cu_seqlens(x, name, batch_plus_1=None):
                          f"got {tuple(x.shape)}")
     if x.strides[0] != 4:
         raise ValueError(f"{name}: must be contiguous, got strides {x.strides}")
+    A.check_aligned(x, 4, name)
     return x
 
 
@@ -310,6 +306,7 @@ def _run(*, q, k, v, out, lse, dtype, device_id, stream, causal, softmax_scale, 
     if split:
         oaccum = cupy.empty((num_splits, total_q, nheads, head_dim), dtype=np.float32)
         lseaccum = cupy.empty((num_splits, nheads, total_q), dtype=np.float32)
+        A.keep_if_capturing(stream, oaccum, lseaccum)
     params = PARAMS.pack(
         q=q.data.ptr, k=k.data.ptr, v=v.data.ptr, out=out.data.ptr,
         lse=0 if lse is None else lse.data.ptr,
@@ -320,7 +317,7 @@ def _run(*, q, k, v, out, lse, dtype, device_id, stream, causal, softmax_scale, 
         batch=batch, num_heads=nheads, head_group=head_group, seqlen_q=fields.pop("seqlen_q"),
         seqlen_k=fields.pop("seqlen_k"), total_q=total_q, head_dim=head_dim,
         window_left=wl, window_right=wr, num_splits=num_splits,
-        scale_log2=softmax_scale * _LOG2E, **fields)
+        scale_log2=softmax_scale * A.LOG2E, **fields)
     kernel = get_kernel(variant, device_id)
     grid = (m_blocks, nheads, batch * num_splits)
     kernel(grid, (variant.num_threads,), (params,), stream=stream,

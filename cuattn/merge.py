@@ -89,6 +89,7 @@ def _outputs(out, out_lse, like, num_tokens, num_heads, head_size):
         out_lse = A.as_device_array(out_lse, "out_lse")
         A.check_shape(out_lse, (num_heads, num_tokens), "out_lse", "(nheads, num_tokens)")
         A.check_dtype(out_lse, np.float32, "out_lse")
+        A.check_aligned(out_lse, 4, "out_lse")
     return out, out_lse
 
 
@@ -129,6 +130,7 @@ def merge_attn_states(prefix_out, prefix_lse, suffix_out, suffix_lse, *, out=Non
     for name, lse in (("prefix_lse", la), ("suffix_lse", lb)):
         A.check_dtype(lse, np.float32, name)
         A.check_shape(lse, (num_heads, num_tokens), name, "(nheads, num_tokens)")
+        A.check_aligned(lse, 4, name)
     for name, x in (("prefix_out", a), ("suffix_out", b)):
         A.check_last_dim_contiguous(x, name)
         A.check_aligned(x, 16, name)
@@ -173,6 +175,7 @@ def merge_states(outs, lses, *, out=None, out_lse=None, stream=None):
     _check_head_size(head_size, "outs")
     A.check_dtype(lses, np.float32, "lses")
     A.check_shape(lses, (k, num_heads, num_tokens), "lses", "(k, nheads, num_tokens)")
+    A.check_aligned(lses, 4, "lses")
     A.check_last_dim_contiguous(outs, "outs")
     A.check_aligned(outs, 16, "outs")
     device_id = outs.device.id

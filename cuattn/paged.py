@@ -25,7 +25,6 @@ from .jit import ParamsStruct, Variant, get_kernel
 
 HEAD_SIZES = (64, 80, 96, 112, 120, 128, 192, 256)
 BLOCK_SIZES = (8, 16, 32)
-_LOG2E = 1.4426950408889634
 
 PARAMS = ParamsStruct("PagedParams", [
     ("out", "ptr"), ("lse", "ptr"), ("tmp_out", "ptr"), ("tmp_lse", "ptr"), ("q", "ptr"),
@@ -307,12 +306,17 @@ def paged_kv_cache_shapes(num_blocks: int, nheads_kv: int, head_size: int, block
     K: (num_blocks, nheads_kv, head_size // x, block_size, x) with x = 16 // itemsize;
     V: (num_blocks, nheads_kv, head_size, block_size).
     """
-    dt = np.dtype(dtype)
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"dtype: {dtype!r} is not a dtype; expected float16, "
+                        "ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn or uint8") from None
     if dt not in (np.dtype(np.float16), BY_SHORT["bf16"].numpy, FP8_E4M3.numpy, UINT8_E4M3.numpy):
         raise TypeError(f"dtype: {dt} is not supported; expected float16, ml_dtypes.bfloat16, "
                         "ml_dtypes.float8_e4m3fn or uint8")
-    for name, v in (("num_blocks", num_blocks), ("nheads_kv", nheads_kv)):
-        if not isinstance(v, (int, np.integer)) or v < 0:
+    for name, v in (("num_blocks", num_blocks), ("nheads_kv", nheads_kv),
+                    ("head_size", head_size), ("block_size", block_size)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
             raise ValueError(f"{name}: expected a non-negative int, got {v!r}")
     if head_size not in HEAD_SIZES:
         raise ValueError(f"head_size: {head_size} is not supported; expected one of {HEAD_SIZES}")
@@ -329,7 +333,6 @@ def paged_kv_cache_shapes(num_blocks: int, nheads_kv: int, head_size: int, block
 # -- per-device facts (cached: the hot path is dictionary hits) -------------------------------
 
 _num_sms: dict[int, int] = {}
-_graph_scratch: list = []    # v2 scratch of calls captured into CUDA graphs, kept alive
 _v1_smem_limit: dict[tuple[int, PagedVariant], int] = {}
 
 
@@ -512,7 +515,9 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, *, softmax_scal
         plan = _plans.get(sig) if sig is not None else None
     except TypeError:                 # an unhashable scalar: the checks below say what is wrong
         sig = plan = None
-    if plan is not None and (k_cache.data.ptr % 16 or v_cache.data.ptr % plan.v_align):
+    if plan is not None and (k_cache.data.ptr % 16 or v_cache.data.ptr % plan.v_align
+                             or (block_tables.data.ptr | seq_lens.data.ptr) % 4
+                             or (alibi_slopes is not None and alibi_slopes.data.ptr % 4)):
         plan = None                   # the checks below raise the alignment error
     if plan is None:
         plan, (q, k_cache, v_cache, block_tables, seq_lens, alibi_slopes, out) = _make_plan(
@@ -560,9 +565,7 @@ def _execute(plan: _Plan, q, k_cache, v_cache, block_tables, seq_lens, alibi_slo
     else:
         with stream:
             scratch = cupy.cuda.alloc(plan.tmp_bytes)
-    if stream.is_capturing():
-        # A captured graph keeps these addresses: the pool must never hand them out again.
-        _graph_scratch.append(scratch)
+    A.keep_if_capturing(stream, scratch)
     tmp_out = scratch.ptr
     tmp_lse = tmp_out + plan.tmp_out_bytes
     if plan.launch_main:
@@ -590,6 +593,8 @@ def _make_plan(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, k_sca
     A.check_last_dim_contiguous(q, "q")
     k_cache, v_cache, cache, num_kv_heads, _, block_size = _check_caches(
         k_cache, v_cache, dtype, head_size)
+    if num_heads == 0:
+        raise ValueError(f"q: expected at least one head, got shape {tuple(q.shape)}")
     if num_kv_heads == 0 or num_heads % num_kv_heads:
         raise ValueError(f"q: nheads {num_heads} is not a multiple of the caches' nheads_kv "
                          f"{num_kv_heads}")
@@ -600,15 +605,18 @@ def _make_plan(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, k_sca
         raise ValueError(f"block_tables: expected {num_seqs} rows (num_seqs), got shape "
                          f"{tuple(block_tables.shape)}")
     A.check_last_dim_contiguous(block_tables, "block_tables")
+    A.check_aligned(block_tables, 4, "block_tables")
     seq_lens = A.as_device_array(seq_lens, "seq_lens")
     A.check_dtype(seq_lens, np.int32, "seq_lens")
     A.check_shape(seq_lens, (num_seqs,), "seq_lens", "(num_seqs,)")
     A.check_last_dim_contiguous(seq_lens, "seq_lens")
+    A.check_aligned(seq_lens, 4, "seq_lens")
     if alibi_slopes is not None:
         alibi_slopes = A.as_device_array(alibi_slopes, "alibi_slopes")
         A.check_dtype(alibi_slopes, np.float32, "alibi_slopes")
         A.check_shape(alibi_slopes, (num_heads,), "alibi_slopes", "(nheads,)")
         A.check_last_dim_contiguous(alibi_slopes, "alibi_slopes")
+        A.check_aligned(alibi_slopes, 4, "alibi_slopes")
     if not isinstance(version, str) or version not in ("auto", "v1", "v2"):
         raise ValueError(f"version: expected 'auto', 'v1' or 'v2', got {version!r}")
     if partition_size is not None:
@@ -616,19 +624,11 @@ def _make_plan(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, k_sca
             raise ValueError(f"partition_size: expected None or one of "
                              f"{tuning.PAGED_PARTITION_SIZES}, got {partition_size!r}")
         partition_size = int(partition_size)
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(head_size)
-    try:
-        softmax_scale = float(softmax_scale)
-    except (TypeError, ValueError):
-        raise TypeError(f"softmax_scale: expected a Python float, got "
-                        f"{type(softmax_scale).__name__}") from None
-    if not math.isfinite(softmax_scale):
-        raise ValueError(f"softmax_scale: expected a finite float, got {softmax_scale!r}")
     k_scale = _check_scale(k_scale, "k_scale")
     v_scale = _check_scale(v_scale, "v_scale")
     if cache != "e4m3":
         k_scale = v_scale = 1.0
+    softmax_scale = A.check_softmax_scale(softmax_scale, head_size, k_scale)
     device_id = q.device.id
     A.check_same_device({"k_cache": k_cache, "v_cache": v_cache, "block_tables": block_tables,
                          "seq_lens": seq_lens, "alibi_slopes": alibi_slopes}, device_id)
@@ -680,7 +680,7 @@ def _make_plan(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, k_sca
             v_stride_head=v_cache.strides[1] // v_cache.itemsize,
             v_stride_dim=v_cache.strides[2] // v_cache.itemsize,
             bt_stride_seq=block_tables.strides[0] // 4,
-            scale_log2=softmax_scale * k_scale * _LOG2E, v_scale=v_scale,
+            scale_log2=softmax_scale * k_scale * A.LOG2E, v_scale=v_scale,
             num_seqs=num_seqs, num_heads=num_heads, gqa_ratio=gqa,
             max_blocks_per_seq=max_blocks)
         grid_x = num_heads // group
@@ -750,7 +750,8 @@ def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, *, k_scale=1.0
         except TypeError:
             sig = plan = None
     if plan is not None and ((key.data.ptr | value.data.ptr | k_cache.data.ptr) % 16
-                             or v_cache.data.ptr % plan[4]):
+                             or v_cache.data.ptr % plan[4]
+                             or slot_mapping.data.ptr % slot_mapping.itemsize):
         plan = None
     if plan is None:
         plan, (key, value, k_cache, v_cache, slot_mapping) = _reshape_plan(
@@ -799,6 +800,7 @@ def _reshape_plan(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale):
         raise TypeError(f"slot_mapping: expected dtype int32 or int64, got {slot_mapping.dtype}")
     A.check_shape(slot_mapping, (num_tokens,), "slot_mapping", "(num_tokens,)")
     A.check_last_dim_contiguous(slot_mapping, "slot_mapping")
+    A.check_aligned(slot_mapping, slot_mapping.itemsize, "slot_mapping")
     k_scale = _check_scale(k_scale, "k_scale")
     v_scale = _check_scale(v_scale, "v_scale")
     device_id = key.device.id

@@ -2,10 +2,10 @@
 
 CPU (CI): every shipped variant and every compiled head dim x mask x split form compiles
 for sm_90 with no spills and no stack; a representative few for sm_80 / sm_86 / sm_89;
-tile choices fit each architecture's shared memory; host arrays are refused.
+tile choices fit each architecture's shared memory.
 GPU (marker ``gpu``): the sweep of issue 3 against a float64 reference (CuPy on the device,
 NumPy for a few small shapes) with FlashAttention's tolerance rule, outputs poisoned with
-NaN first; bad inputs raise before any launch.
+NaN first. Bad inputs: tests/test_bad_inputs.py.
 Run the GPU part with: python -m pytest -q -m gpu tests/test_flash.py
 """
 from __future__ import annotations
@@ -99,15 +99,6 @@ def test_split_rule():
     assert flash.choose_num_splits(200, 256, 132, 1) == 1
     assert flash.choose_num_splits(8, 3, 132, 1) == 1
     assert flash.choose_num_splits(1, 10_000, 132, 2) == tuning.FLASH_MAX_SPLITS
-
-
-def test_host_arrays_are_refused():
-    q = np.zeros((1, 4, 2, 64), np.float16)
-    with pytest.raises(TypeError, match=r"^q:"):
-        cuattn.flash_forward(q, q, q)
-    with pytest.raises(TypeError, match=r"^q:"):
-        cuattn.flash_varlen_forward(q[0], q[0], q[0], np.zeros(2, np.int32),
-                                    np.zeros(2, np.int32), 4, 4)
 
 
 # ---- kernel knobs: the candidates bench/lab/flash_sweep.py times ----------------------------
@@ -473,44 +464,3 @@ def test_knobs(rng, monkeypatch, hd, tiles, case):
     _, lse = cuattn.flash_forward(q, k, v, causal=causal, window_size=window, return_lse=True,
                                   num_splits=num_splits, out=out)
     check_close(out, lse, q, k, v, causal=causal, window=window)
-
-
-# ---- GPU: bad inputs raise before any launch -----------------------------------------------
-
-@pytest.mark.gpu
-def test_bad_inputs_name_the_argument():
-    import cupy
-    q = cupy.zeros((1, 8, 4, 64), F16)
-    kv = cupy.zeros((1, 8, 2, 64), F16)
-    cases = [
-        (TypeError, "q", lambda: cuattn.flash_forward(q.astype(np.float32), kv, kv)),
-        (TypeError, "k", lambda: cuattn.flash_forward(q, kv.astype(BF16), kv)),
-        (ValueError, "q", lambda: cuattn.flash_forward(q[0], kv, kv)),
-        (ValueError, "k", lambda: cuattn.flash_forward(q, kv[0], kv)),
-        (ValueError, "k", lambda: cuattn.flash_forward(cupy.zeros((1, 8, 6, 64), F16),
-                                                       cupy.zeros((1, 8, 4, 64), F16),
-                                                       cupy.zeros((1, 8, 4, 64), F16))),
-        (ValueError, "q", lambda: cuattn.flash_forward(*(cupy.zeros((1, 8, 2, 260), F16),) * 3)),
-        (ValueError, "q", lambda: cuattn.flash_forward(*(cupy.zeros((1, 8, 2, 12), F16),) * 3)),
-        (ValueError, "q", lambda: cuattn.flash_forward(cupy.zeros((1, 8, 4, 128), F16)[..., ::2],
-                                                       kv, kv)),
-        (ValueError, "out", lambda: cuattn.flash_forward(q, kv, kv,
-                                                         out=cupy.zeros((1, 8, 4, 32), F16))),
-        (TypeError, "out", lambda: cuattn.flash_forward(q, kv, kv,
-                                                        out=cupy.zeros(q.shape, BF16))),
-        (ValueError, "v", lambda: cuattn.flash_forward(q, kv, kv[:, :4])),
-        (ValueError, "window_size", lambda: cuattn.flash_forward(q, kv, kv, window_size=(-2, 0))),
-        (TypeError, "window_size", lambda: cuattn.flash_forward(q, kv, kv, window_size=3)),
-        (ValueError, "num_splits", lambda: cuattn.flash_forward(q, kv, kv, num_splits=-1)),
-        (ValueError, "softmax_scale", lambda: cuattn.flash_forward(q, kv, kv,
-                                                                   softmax_scale=float("nan"))),
-        (TypeError, "cu_seqlens_q", lambda: cuattn.flash_varlen_forward(
-            q[0], kv[0], kv[0], cupy.zeros(2, np.int64), cupy.zeros(2, np.int32), 8, 8)),
-        (ValueError, "cu_seqlens_k", lambda: cuattn.flash_varlen_forward(
-            q[0], kv[0], kv[0], cupy.zeros(2, np.int32), cupy.zeros(3, np.int32), 8, 8)),
-        (TypeError, "max_seqlen_q", lambda: cuattn.flash_varlen_forward(
-            q[0], kv[0], kv[0], cupy.zeros(2, np.int32), cupy.zeros(2, np.int32), 8.0, 8)),
-    ]
-    for exc, name, call in cases:
-        with pytest.raises(exc, match=rf"^{name}:"):
-            call()

@@ -142,6 +142,49 @@ def test_concurrent_processes_compile_once_and_all_succeed(tmp_path):
     assert not list(tmp_path.rglob("*.tmp"))
 
 
+def _precompile(cache_dir: Path, src: Path) -> subprocess.Popen:
+    env = dict(os.environ, CUATTN_CACHE_DIR=str(cache_dir), PYTHONPATH=str(src))
+    return subprocess.Popen([sys.executable, "-m", "cuattn", "precompile", "--arch", "sm_90",
+                             "--ops", "merge", "paged", "-q"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _counts(stdout: str) -> tuple[int, int]:
+    """(variants, compiled) from precompile's summary line."""
+    n, compiled = re.search(r"(\d+) variants, (\d+) compiled", stdout).groups()
+    return int(n), int(compiled)
+
+
+def test_eight_concurrent_precompiles_leave_a_consistent_cache(tmp_path):
+    """Eight precompiles of the shipped merge + paged variants into one fresh cache at
+    once (~10 s on two cores): all succeed, each variant is compiled exactly once (the
+    per-entry lock), every entry is a whole ELF, no temp file is left; a later run compiles
+    nothing, and a cubin truncated on disk is detected and rebuilt by the next one."""
+    import shutil
+    src, cache_dir = tmp_path / "src", tmp_path / "cache"
+    for d in ("cuattn", "cuda_src"):     # a snapshot: edits to the checkout cannot change keys
+        shutil.copytree(REPO / d, src / d, ignore=shutil.ignore_patterns("__pycache__"))
+    procs = [_precompile(cache_dir, src) for _ in range(8)]
+    outs = [p.communicate(timeout=600) + (p.returncode,) for p in procs]
+    assert all(rc == 0 for _, _, rc in outs), outs
+    n = _counts(outs[0][0])[0]
+    assert sum(_counts(out)[1] for out, _, _ in outs) == n, outs
+    entries = sorted((cache_dir / "sm_90").glob("*.cubin"))
+    assert len(entries) == n and all(cache.looks_complete(p.read_bytes()) for p in entries)
+    assert not [p for p in cache_dir.rglob("*") if p.name.endswith(".tmp")]
+
+    out, err = _precompile(cache_dir, src).communicate(timeout=600)
+    assert f"{n} variants, 0 compiled, {n} already cached, 0 failed" in out, err
+
+    victim = entries[n // 2]
+    good = victim.read_bytes()
+    with open(victim, "r+b") as f:
+        f.truncate(len(good) // 3)
+    out, err = _precompile(cache_dir, src).communicate(timeout=600)
+    assert _counts(out)[1] == 1, (out, err)
+    assert victim.read_bytes() == good
+
+
 def test_editing_an_included_header_changes_the_key(tmp_path, monkeypatch):
     import shutil
     src = tmp_path / "cuda_src"

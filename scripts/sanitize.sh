@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# compute-sanitizer (memcheck, racecheck, initcheck, synccheck) over a reduced GPU suite that
+# still reaches every kernel and boundary path, on a GPU machine:
+#   scripts/sanitize.sh OUTDIR
+# writes OUTDIR/sanitize_<tool>.txt (the whole run under that tool), sanitize_plain.txt (the
+# same suite without a sanitizer, run first), sanitize_summary.txt (one line per tool: tool,
+# exit code, pytest's summary line, the sanitizer's ERROR SUMMARY line; exit 9 = the
+# sanitizer reported errors, 124/137 = timed out, else pytest's); exits 1 if any tool or the
+# plain run failed. Environment:
+#   TOOLS="memcheck racecheck"     which tools (default all four; one 10-minute device call
+#                                  may not hold all four: split them over calls)
+#   SANITIZE_TESTS="tests/..."     the suite for every tool; MEMCHECK_TESTS, RACECHECK_TESTS,
+#                                  INITCHECK_TESTS, SYNCCHECK_TESTS override it for one tool
+#   SANITIZE_TIMEOUT=300           seconds per tool; MEMCHECK_TIMEOUT, ... for one tool
+#   MEMCHECK_FLAGS, ...            extra compute-sanitizer flags for one tool (racecheck and
+#                                  synccheck default to --kernel-name kns=cuattn_)
+#   COMPUTE_SANITIZER=/path/to/compute-sanitizer
+# Kernels are compiled before any tool runs (precompile, then the plain run compiles what
+# the suite uses beyond the shipped set), so NVRTC never runs under a sanitizer.
+# memcheck and initcheck check every kernel, CuPy's too: initcheck then tracks the memory
+# CuPy's kernels write, and a test that reads an output element no kernel wrote is
+# reported. CuPy's memory pool recycles blocks, so initcheck sees as uninitialised only
+# memory never written since cudaMalloc: a kernel that reads an output or scratch element
+# before writing it shows up where that memory is fresh (out=None calls, split-KV and v2
+# scratch), not where a test pre-filled it with NaN. racecheck and synccheck look at shared
+# memory and barriers, so they check only cuattn's kernels (and run several times faster).
+set -uo pipefail
+set -f                                # test ids hold [...]: no globbing
+out=${1:?usage: scripts/sanitize.sh OUTDIR}
+mkdir -p "$out" && out=$(cd "$out" && pwd)
+cd "$(dirname "$0")/.." || exit 2
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+export CUATTN_CACHE_DIR=${CUATTN_CACHE_DIR:-/tmp/cuattn-cache}
+export CUATTN_TEST_KEEP_CACHE=1       # the tests use the kernels compiled here
+cs=${COMPUTE_SANITIZER:-compute-sanitizer}
+command -v "$cs" > /dev/null || { echo "sanitize.sh: $cs not found (set COMPUTE_SANITIZER)" >&2; exit 2; }
+
+# Odd lengths and partial tiles (113x203, 37x91, 1x147), seqlen_k = 0 and rows that see no
+# key, varlen with empty sequences, split-KV (+ combine) for head dims 64/96/128/256, every
+# flash form (plain, causal, window); paged v1/v2 with one and many partitions (128..1024),
+# partial last KV blocks at block sizes 8/16/32, empty sequences, GQA 1..16, fp8, ALiBi,
+# both forms of the paged kernel (tensor-core, CUDA-core) on odd groups;
+# reshape_and_cache; merge (pair, stacked, +/-inf); CUDA-graph replays of all of them.
+reduced="tests/test_merge.py
+ tests/test_flash.py::test_small_against_numpy_float64
+ tests/test_flash.py::test_seqlen_k_zero_and_no_key_rows
+ tests/test_flash.py::test_sweep[d64-113x203-nc] tests/test_flash.py::test_sweep[d128-113x203-nc]
+ tests/test_flash.py::test_sweep[d256-113x203-c]
+ tests/test_flash.py::test_window[w16_8-113-203-64] tests/test_flash.py::test_window[w40_0c-113-203-256]
+ tests/test_flash.py::test_window[w-1_5-1-147-128]
+ tests/test_flash.py::test_strided_bhsd_views_and_scale[128]
+ tests/test_flash.py::test_varlen[3-True-mixed] tests/test_flash.py::test_varlen[3-False-decode-like]
+ tests/test_flash.py::test_varlen[1-False-with-empty]
+ tests/test_flash.py::test_num_splits_match_unsplit[128-1-8192-False]
+ tests/test_flash.py::test_num_splits_match_unsplit[64-16-5000-True]
+ tests/test_flash.py::test_num_splits_match_unsplit[256-3-3000-False]
+ tests/test_paged.py::test_gqa_ratios_v1_v2_auto_agree tests/test_paged.py::test_block_sizes
+ tests/test_paged.py::test_fp8_cache tests/test_paged.py::test_partition_sizes_and_gqa_16
+ tests/test_paged.py::test_alibi tests/test_paged.py::test_reshape_and_cache_round_trip
+ tests/test_paged.py::test_both_forms tests/test_paged.py::test_large_scores_and_one_dominant_token
+ tests/test_stress.py::test_graph_replay_with_new_data_equals_eager"
+pytest=(python3 -m pytest -q -m gpu -p no:cacheprovider)
+
+summarize() {   # $1 name, $2 exit code, $3 log -> one line on stdout and in the summary file
+  local tests errors
+  tests=$(grep -E "^(=+ )?[0-9]+ (passed|failed|skipped|error)|no tests ran" "$3" | tail -n 1)
+  errors=$(grep -E "(ERROR|RACECHECK) SUMMARY" "$3" | tail -n 2 | sed 's/^=* *//' | paste -sd ';' -)
+  printf '%-9s exit %-3s | %s | %s\n' "$1" "$2" "${tests:-no pytest summary}" "${errors:--}" \
+      | tee -a "$out/sanitize_summary.txt"
+}
+
+: > "$out/sanitize_summary.txt"
+"$cs" --version 2>&1 | tail -n 1 | tee -a "$out/sanitize_summary.txt"
+python3 -m cuattn precompile -q > "$out/sanitize_precompile.txt" 2>&1
+tail -n 1 "$out/sanitize_precompile.txt" | tee -a "$out/sanitize_summary.txt"
+# shellcheck disable=SC2086
+"${pytest[@]}" ${SANITIZE_TESTS:-$reduced} > "$out/sanitize_plain.txt" 2>&1
+rc=$?
+summarize plain "$rc" "$out/sanitize_plain.txt"
+failed=$((rc != 0))
+
+for tool in ${TOOLS:-memcheck racecheck initcheck synccheck}; do
+  up=${tool^^}
+  tests_var=${up}_TESTS timeout_var=${up}_TIMEOUT flags_var=${up}_FLAGS
+  default_flags=""
+  case $tool in racecheck|synccheck) default_flags="--kernel-name kns=cuattn_" ;; esac
+  log=$out/sanitize_$tool.txt
+  # shellcheck disable=SC2086
+  timeout -k 30 "${!timeout_var:-${SANITIZE_TIMEOUT:-300}}" \
+      "$cs" --tool "$tool" --error-exitcode 9 --print-limit 100 ${!flags_var-$default_flags} \
+      "${pytest[@]}" ${!tests_var:-${SANITIZE_TESTS:-$reduced}} > "$log" 2>&1
+  rc=$?
+  case $rc in 124|137) echo "sanitize.sh: $tool timed out" >> "$log" ;; esac
+  summarize "$tool" "$rc" "$log"
+  [ "$rc" = 0 ] || failed=1
+done
+exit "$failed"

@@ -1,0 +1,914 @@
+"""Randomized differential testing (issue 5): every public function against its float64 NumPy
+reference over N random cases (N = CUATTN_FUZZ_CASES, default 300).
+
+Each test takes a base seed (CUATTN_TEST_SEED, else fresh entropy; printed first) and gives
+every case its own generator from (base seed, function, case index). A failing test lists
+each failing case with its parameters and the command that replays just that case, e.g.
+
+    CUATTN_TEST_SEED=1234 CUATTN_FUZZ_ONLY=17 python -m pytest -q -s \\
+        'tests/test_fuzz.py::test_fuzz[flash_forward]'
+
+(CUATTN_FUZZ_ONLY takes a comma-separated list of case indices.) The cases mix in adversarial
+values: integer-valued q, k whose scores reach ~1e4 (computed exactly in float32, so any
+error is the kernel's, not the rounding's), every key of a row masked, lse = +/-inf in
+merges, fp16 values near 65504; every input may be a strided view of a NaN-poisoned storage
+and every given out= is one, so reads and writes outside the views show up.
+
+CPU part: the generators, references and checks run against an oracle (the rounded
+reference must pass, a perturbed one must fail), and the default N cases of fixed seeds stay
+within the kernel-variant and host-work budgets below, so the GPU run stays well under 120 s.
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections import namedtuple
+from concurrent.futures import ThreadPoolExecutor
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import cuattn
+from cuattn import flash, merge, paged, tuning
+from test_flash import _floor, _round, _visible, attention_ref
+from test_paged import E4M3, make_case, paged_reference
+from tests.reference import merge_reference, tolerance
+
+N_CASES = int(os.environ.get("CUATTN_FUZZ_CASES", 300))
+DEFAULT_CASES = 300
+MAX_FAILURES = 20          # a sticky CUDA error fails every later case: stop early
+DT = {"f16": np.dtype(np.float16), "bf16": np.dtype(ml_dtypes.bfloat16)}
+LN2 = math.log(2.0)
+EDGES = (1, 2, 15, 16, 17, 31, 63, 64, 65, 127, 128, 129, 255, 256, 257)
+FUNCS = ("flash_forward", "flash_varlen_forward", "merge_attn_states", "merge_states",
+         "paged_attention", "reshape_and_cache")
+
+# Budgets at the default N (checked on the CPU for fixed seeds). Kernel variants per function
+# (flash_forward and flash_varlen_forward share theirs; bounded by construction: small sets
+# of kernel-defining values), compiled in parallel before the cases run. Host seconds of one
+# core for the data, the float64 references and the checks (the bulk of a GPU run), from
+# per-function cost models calibrated on the CPU machine (measured: flash 5-6.5 s per test,
+# paged 5-7 s, merges ~1 s, reshape_and_cache ~2 s; ~20 s in all).
+KERNEL_BUDGET = {"flash": 35, "paged_attention": 21, "merge_attn_states": 6,
+                 "merge_states": 6, "reshape_and_cache": 8}
+HOST_S_BUDGET = {"flash_forward": 9, "flash_varlen_forward": 9, "merge_attn_states": 2,
+                 "merge_states": 2, "paged_attention": 9, "reshape_and_cache": 3}
+HOST_S_TOTAL = 30
+# One flash case at most: 1.5e6 scores (batch x heads x sq x sk) and 4e6 elements of q + k + v.
+CAPS = (1.5e6, 4e6)
+
+
+# ---- seeds, picks, device views ------------------------------------------------------------
+
+def _base_seed() -> int:
+    return int(os.environ.get("CUATTN_TEST_SEED", np.random.SeedSequence().entropy % 2**32))
+
+
+def _rng(base, fn, index, stream):
+    """stream 0: a case's parameters, 1: its data, 2 (index 0): the run's palette."""
+    return np.random.default_rng([base, FUNCS.index(fn), index, stream])
+
+
+def _pick(rng, options, p=None):
+    return options[int(rng.choice(len(options), p=p))]
+
+
+def _length(rng, hi, edges=EDGES):
+    """0 sometimes, a tile edge often, else uniform in [1, hi]."""
+    u = rng.random()
+    near = [e for e in edges if e <= hi]
+    if u < 0.08:
+        return 0
+    if u < 0.4 and near:
+        return int(_pick(rng, near))
+    return int(rng.integers(1, hi + 1))
+
+
+def _layout(rng, ndim, itemsize, strided, free_last=False):
+    """None (contiguous) or (axis order of a larger storage, padding, offsets): the last dim
+    stays contiguous and 16-byte aligned unless free_last."""
+    if not strided:
+        return None
+    outer = ndim if free_last else ndim - 1
+    step = 1 if free_last else 16 // itemsize
+    perm = [int(a) for a in rng.permutation(outer)] + list(range(outer, ndim))
+    pads = [step * int(rng.integers(0, 3)) if a >= outer else int(rng.integers(0, 3))
+            for a in range(ndim)]
+    offs = [step * int(rng.integers(0, p // step + 1)) if a >= outer else
+            int(rng.integers(0, p + 1)) for a, p in enumerate(pads)]
+    return perm, pads, offs
+
+
+def _poison(dtype):
+    return 0x7F if np.dtype(dtype).itemsize == 1 else np.nan     # 0x7F: e4m3 NaN
+
+
+def _storage(x, layout):
+    """(host storage, mask of its elements outside the view, index of the view)."""
+    if layout is None:
+        return x, np.zeros(x.shape, bool), None
+    perm, pads, offs = layout
+    store = np.full([x.shape[a] + pads[a] for a in perm], _poison(x.dtype), x.dtype)
+    inv = tuple(int(a) for a in np.argsort(perm))
+    idx = tuple(slice(o, o + n) for o, n in zip(offs, x.shape))
+    store.transpose(inv)[idx] = x
+    outside = np.ones(store.shape, bool)
+    outside.transpose(inv)[idx] = False
+    return store, outside, (inv, idx)
+
+
+def _place(x, rng, strided, free_last=False):
+    """Host x on the device, as a view of a larger poisoned storage when strided.
+    Returns (device view, device storage, host mask of the storage outside the view)."""
+    import cupy as cp
+    x = x.view(np.uint8) if x.dtype == E4M3 else x
+    store, outside, view = _storage(x, _layout(rng, x.ndim, x.itemsize, strided, free_last))
+    d = cp.asarray(store)
+    return (d if view is None else d.transpose(view[0])[view[1]]), d, outside
+
+
+def _poisoned_out(shape, dtype, rng, how, free_last=False):
+    """out= argument: None, or a NaN-filled array (a strided view when how == 'strided')."""
+    if how == "none":
+        return None, None, None
+    return _place(np.full(shape, np.nan, dtype), rng, how == "strided", free_last)
+
+
+def _assert_untouched(store, outside):
+    if store is not None and outside.any():
+        rest = store.get()[outside].astype(np.float32)
+        assert np.isnan(rest).all(), "a write landed outside the out= view"
+
+
+def _prebuild(spec, cases):
+    """Compile the variants the cases will need into the disk cache, in parallel (NVRTC
+    releases the GIL). Only a speed-up: a failure here is left for the case to report."""
+    from cuattn import jit
+    arch = jit.arch_of_device(0)
+    variants = set()
+    for _, p in cases:
+        try:
+            variants.update(spec.kernels(p, arch))
+        except Exception:                # noqa: BLE001
+            pass
+
+    def build(v):
+        try:
+            jit.build(v, arch)
+        except Exception:                # noqa: BLE001
+            pass
+    with ThreadPoolExecutor(min(16, os.cpu_count() or 4)) as pool:
+        list(pool.map(build, sorted(variants, key=lambda v: v.name)))
+
+
+# ---- shared checks (the rules of check_close, test_paged._check, test_merge._check) --------
+
+def _check_out(got, ref, ref_lp, floor):
+    """FlashAttention's rule: max|got - ref| <= 2 max|ref_lowp - ref| + floor; all finite."""
+    got = got.astype(np.float64)
+    assert got.shape == ref.shape, (got.shape, ref.shape)
+    assert np.isfinite(got).all(), "NaN/inf in out (unwritten, or a poisoned value was read)"
+    err = np.abs(got - ref).max(initial=0)
+    tol = tolerance(np.abs(ref_lp - ref).max(initial=0), floor)
+    assert err <= tol, f"out error {err:.4g} > tolerance {tol:.4g}"
+
+
+def _check_lse(got, ref, close):
+    if got is None:
+        return
+    got = got.astype(np.float64)
+    assert got.shape == ref.shape, (got.shape, ref.shape)
+    assert not np.isnan(got).any(), "NaN in lse"
+    empty = np.isneginf(ref)
+    assert np.array_equal(np.isneginf(got), empty), "lse = -inf must mark exactly the empty rows"
+    if (~empty).any():
+        assert close(got[~empty], ref[~empty]), \
+            f"lse error {np.abs(got[~empty] - ref[~empty]).max():.4g}"
+
+
+def _flash_lse_close(g, r):
+    return np.abs(g - r).max() <= 2e-3 * max(1.0, np.abs(r).max())
+
+
+def _rounded(x, dtype):
+    return x.astype(DT[dtype]).astype(np.float64)
+
+
+def _perturbed(got):
+    """A wrong answer (for the CPU self-test): the largest element of out negated (or, if
+    small, moved by 1)."""
+    out = got["out"].copy()
+    if out.size:
+        j = int(np.abs(out.astype(np.float64)).argmax())
+        x = float(out.flat[j])
+        out.flat[j] = -x if abs(x) > 1 else x + 1
+    return dict(got, out=out)
+
+
+# ---- flash_forward / flash_varlen_forward ---------------------------------------------------
+
+def _attn_ref(q, k, v, causal, window, scale, dtype):
+    """attention_ref (tests/test_flash.py) on host arrays, its scores computed once with BLAS:
+    float64 out (B, Sq, H, D), the same math in the input precision (P and out rounded to
+    it: FlashAttention's ref_same_precision) and lse (B, H, Sq)."""
+    b, sq, h, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    g = h // hkv
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    # contiguous operands: np.matmul hands only those to BLAS
+    qf = np.ascontiguousarray(q.astype(np.float64).transpose(0, 2, 1, 3))
+    qf = qf.reshape(b, hkv, g * sq, d)                    # query head h reads kv head h // g
+    kf = np.ascontiguousarray(k.astype(np.float64).transpose(0, 2, 3, 1))   # (B, Hkv, D, Sk)
+    vf = np.ascontiguousarray(v.astype(np.float64).transpose(0, 2, 1, 3))   # (B, Hkv, Sk, D)
+    s = (qf @ kf).reshape(b, h, sq, sk) * scale
+    s[:, :, ~_visible(np, sq, sk, causal, window)] = -np.inf
+    m = s.max(axis=-1, keepdims=True, initial=-np.inf)
+    m = np.where(np.isinf(m), 0.0, m)
+    p = np.exp(s - m)
+    l = p.sum(axis=-1, keepdims=True)
+    empty, l1 = l == 0, np.where(l > 0, l, 1.0)
+
+    def pv(p):
+        o = (p.reshape(b, hkv, g * sq, sk) @ vf).reshape(b, h, sq, d) / l1
+        return np.where(empty, 0.0, o).transpose(0, 2, 1, 3)
+    lse = np.where(empty, -np.inf, m + np.log(l1))[..., 0]
+    return pv(p), _round(pv(_round(p, DT[dtype], np)), DT[dtype], np), lse
+
+
+def _flash_palette(rng):
+    """The run's one head dim outside 64/128 (compiled 32 ... 256) and its dtype."""
+    return dict(hd=int(_pick(rng, (32, 96, 160, 192, 224, 256))),
+                dtype=_pick(rng, ("f16", "bf16")))
+
+
+def _side(rng, n):
+    u = rng.random()
+    if u < 0.25:
+        return -1
+    if u < 0.45:
+        return 0
+    return int(rng.integers(1, 17)) if u < 0.7 else int(rng.integers(1, max(2, 3 * n // 2)))
+
+
+def _flash_common(rng, pal):
+    """Everything but the lengths: dtype, head dim, heads, options, values, layouts."""
+    if rng.random() < 0.1:               # the run's odd head dim, below its compiled one too
+        dtype, hd = pal["dtype"], pal["hd"] - 8 * int(rng.integers(0, 4))
+    else:                                # compiled 64 / 128, with zero-filled tails
+        dtype = _pick(rng, ("f16", "bf16"))
+        hd = int(_pick(rng, (64, 64, 64, 56, 48, 40, 128, 128, 128, 120, 112, 104)))
+    values = _pick(rng, ("normal", "big", "offset", "vmax"), p=[0.7, 0.1, 0.1, 0.1])
+    if values == "vmax" and dtype != "f16":
+        values = "normal"
+    scale = None
+    if values == "big":                  # integer q, k in [-64, 64]: scores ~1e4, exact in fp32
+        scale = LN2                      # softmax_scale * log2(e) = 1: a power of two
+    elif values == "offset":             # q, k = 30 +/- 1: scores ~1e4 with a spread of ~20
+        scale = LN2 * 2.0 ** -max(0, round(math.log2(900 * hd * LN2 / 1e4)))
+    elif rng.random() < 0.3:
+        scale = round(float(rng.uniform(0.02, 0.3)), 4)
+    return dict(dtype=dtype, hd=hd, hkv=int(_pick(rng, (1, 2, 4))),
+                gqa=int(_pick(rng, (1, 2, 4, 8))), values=values, scale=scale,
+                num_splits=int(_pick(rng, (0, 1, 2, 3, 4, 8, 16, 64),
+                                     p=[0.3, 0.25, 0.1, 0.1, 0.1, 0.05, 0.05, 0.05])),
+                return_lse=bool(rng.random() < 0.75),
+                out=_pick(rng, ("none", "contig", "strided")),
+                strided="".join(n for n in "qkv" if rng.random() < 0.4))
+
+
+def _mask(rng, p, n):
+    mask = _pick(rng, ("none", "causal", "window"), p=[0.3, 0.25, 0.45])
+    p["causal"] = mask == "causal" or (mask == "window" and bool(rng.random() < 0.2))
+    p["window"] = (_side(rng, n), _side(rng, n)) if mask == "window" else (-1, -1)
+
+
+def _flash_sizes(p):
+    """(scores, elements of q + k + v) of a case: what bounds its host work."""
+    h, d = p["hkv"] * p["gqa"], p["hd"]
+    pairs = list(zip(p["lens_q"], p["lens_k"]))
+    return (h * sum(a * max(b, d) for a, b in pairs),
+            d * sum(a * h + 2 * b * p["hkv"] for a, b in pairs))
+
+
+def _fit(p):
+    """Shrink to CAPS: batch (all sequences alike) or kv heads first, then the longest length."""
+    while any(s > cap for s, cap in zip(_flash_sizes(p), CAPS)):
+        lq, lk = p["lens_q"], p["lens_k"]
+        if p.get("batch", 1) > 1:
+            p["batch"] //= 2
+            del lq[p["batch"]:], lk[p["batch"]:]
+        elif p["hkv"] > 1:
+            p["hkv"] //= 2
+        else:
+            i = int(np.argmax([max(a, b) for a, b in zip(lq, lk)]))
+            side = lq if lq[i] >= lk[i] else lk
+            side[i] = side[i] * 7 // 10
+
+
+def gen_flash(rng, pal):
+    p = _flash_common(rng, pal)
+    regime = _pick(rng, ("small", "medium", "long_k", "long_q", "square"),
+                   p=[0.45, 0.35, 0.1, 0.05, 0.05])
+    batch, sq, sk = {
+        "small": lambda: (int(rng.integers(1, 5)), _length(rng, 200), _length(rng, 200)),
+        "medium": lambda: (int(rng.integers(1, 3)), _length(rng, 1100), _length(rng, 1100)),
+        "long_k": lambda: (1, _length(rng, 64), int(rng.integers(4096, 32769))),
+        "long_q": lambda: (1, int(rng.integers(4096, 12001)), _length(rng, 128)),
+        "square": lambda: (1, int(rng.integers(1024, 2049)), int(rng.integers(1024, 2049))),
+    }[regime]()
+    p.update(batch=batch, lens_q=[sq] * batch, lens_k=[sk] * batch)
+    _fit(p)
+    p.update(batch=len(p["lens_q"]), sq=p["lens_q"][0], sk=p.pop("lens_k")[0])
+    del p["lens_q"]
+    _mask(rng, p, max(p["sq"], p["sk"]))
+    return p
+
+
+def gen_varlen(rng, pal):
+    p = _flash_common(rng, pal)
+    long = rng.random() < 0.1
+    batch = int(rng.integers(1, 3 if long else 9))
+    lq = [_length(rng, 300) for _ in range(batch)]
+    lk = [_length(rng, 300) for _ in range(batch)]
+    if long:                             # one decode-like sequence against a long context
+        i = int(rng.integers(0, batch))
+        lq[i], lk[i] = _length(rng, 64), int(rng.integers(4096, 32769))
+    p.update(lens_q=lq, lens_k=lk)
+    _fit(p)
+    p.update(pad_q=int(_pick(rng, (0, 0, 0, 3))), pad_k=int(_pick(rng, (0, 0, 0, 5))),
+             extra_max=int(_pick(rng, (0, 0, 0, 1, 100))))   # max_seqlen_* above the longest
+    _mask(rng, p, max(lq + lk))
+    return p
+
+
+def _qkv(rng, p, qshape, kshape):
+    dt = DT[p["dtype"]]
+    if p["values"] == "big":
+        q, k = (rng.integers(-64, 65, s).astype(np.float32) for s in (qshape, kshape))
+    elif p["values"] == "offset":
+        q, k = (30 + rng.integers(-1, 2, s).astype(np.float32) for s in (qshape, kshape))
+    else:
+        q, k = (rng.standard_normal(s, dtype=np.float32) for s in (qshape, kshape))
+    v = rng.standard_normal(kshape, dtype=np.float32)
+    if p["values"] == "vmax":            # fp16 values near 65504: out must stay finite
+        sel = rng.random(kshape) < _pick(rng, (0.05, 1.0))
+        v[sel] = rng.choice([-1.0, 1.0], sel.sum()) * rng.uniform(6e4, 65504, sel.sum())
+    return q.astype(dt), k.astype(dt), v.astype(dt)
+
+
+def build_flash(p, rng):
+    h = p["hkv"] * p["gqa"]
+    q, k, v = _qkv(rng, p, (p["batch"], p["sq"], h, p["hd"]),
+                   (p["batch"], p["sk"], p["hkv"], p["hd"]))
+    ref, ref_lp, lse = _attn_ref(q, k, v, p["causal"], p["window"], p["scale"], p["dtype"])
+    return dict(q=q, k=k, v=v, ref=ref, ref_lp=ref_lp, ref_lse=lse)
+
+
+def _cu(lens):
+    return np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+
+
+def build_varlen(p, rng):
+    h = p["hkv"] * p["gqa"]
+    cu_q, cu_k = _cu(p["lens_q"]), _cu(p["lens_k"])
+    q, k, v = _qkv(rng, p, (cu_q[-1] + p["pad_q"], h, p["hd"]),
+                   (cu_k[-1] + p["pad_k"], p["hkv"], p["hd"]))
+    refs = [_attn_ref(q[None, cu_q[b]:cu_q[b + 1]], k[None, cu_k[b]:cu_k[b + 1]],
+                      v[None, cu_k[b]:cu_k[b + 1]], p["causal"], p["window"], p["scale"],
+                      p["dtype"]) for b in range(len(p["lens_q"]))]
+    return dict(q=q, k=k, v=v, cu_q=cu_q, cu_k=cu_k, rows=int(cu_q[-1]),
+                ref=np.concatenate([r[0][0] for r in refs]),
+                ref_lp=np.concatenate([r[1][0] for r in refs]),
+                ref_lse=np.concatenate([r[2][0] for r in refs], axis=1))
+
+
+def _flash_options(p):
+    return dict(causal=p["causal"], softmax_scale=p["scale"], window_size=p["window"],
+                return_lse=p["return_lse"], num_splits=p["num_splits"])
+
+
+def _flash_result(res, p, out, store, outside):
+    o, lse = res if p["return_lse"] else (res, None)
+    if out is not None:
+        assert o is out, "out= was not returned"
+        _assert_untouched(store, outside)
+    return dict(out=o.get(), lse=None if lse is None else lse.get())
+
+
+def call_flash(p, c, rng):
+    q, k, v = (_place(c[n], rng, n in p["strided"])[0] for n in "qkv")
+    out, store, outside = _poisoned_out(c["q"].shape, DT[p["dtype"]], rng, p["out"])
+    res = cuattn.flash_forward(q, k, v, out=out, **_flash_options(p))
+    return _flash_result(res, p, out, store, outside)
+
+
+def call_varlen(p, c, rng):
+    import cupy as cp
+    q, k, v = (_place(c[n], rng, n in p["strided"])[0] for n in "qkv")
+    out, store, outside = _poisoned_out(c["q"].shape, DT[p["dtype"]], rng, p["out"])
+    res = cuattn.flash_varlen_forward(
+        q, k, v, cp.asarray(c["cu_q"]), cp.asarray(c["cu_k"]),
+        max(p["lens_q"]) + p["extra_max"], max(p["lens_k"]) + p["extra_max"], out=out,
+        **_flash_options(p))
+    return _flash_result(res, p, out, store, outside)
+
+
+def check_flash(p, c, got):
+    out, lse = got["out"], got["lse"]
+    if "rows" in c:                      # varlen: the rows the sequences cover
+        out, lse = out[:c["rows"]], None if lse is None else lse[:, :c["rows"]]
+    _check_out(out, c["ref"], c["ref_lp"], _floor(DT[p["dtype"]]))
+    _check_lse(lse, c["ref_lse"], _flash_lse_close)
+
+
+def oracle_flash(p, c):
+    return dict(out=c["ref"].astype(DT[p["dtype"]]),
+                lse=c["ref_lse"].astype(np.float32) if p["return_lse"] else None)
+
+
+def kernels_flash(p, arch):
+    left, right = p["window"]
+    right = 0 if p["causal"] else right
+    is_causal = p["causal"] and left < 0
+    window = not is_causal and (left >= 0 or right >= 0)
+    if "lens_q" in p:
+        batch = len(p["lens_q"])
+        max_sq, max_sk = max(p["lens_q"]) + p["extra_max"], max(p["lens_k"]) + p["extra_max"]
+    else:
+        batch, max_sq, max_sk = p["batch"], p["sq"], p["sk"]
+    if max_sq == 0:
+        return []
+
+    def fwd(split):
+        return flash.forward_variant(p["dtype"], p["hd"], causal=is_causal, window=window,
+                                     split=split, arch=arch)
+    tiles = -(-max_sk // fwd(False).block_n)
+    n = p["num_splits"]
+    split = (n == 0 and tiles >= 2 * tuning.FLASH_MIN_TILES_PER_SPLIT) or \
+        min(n, max(tiles, 1), 65535 // batch) > 1              # (n = 0: a superset)
+    extra = [fwd(True), flash.FlashCombineVariant(p["dtype"], flash.compiled_head_dim(p["hd"]))]
+    return [fwd(False)] + (extra if split else [])
+
+
+def work_flash(p):
+    h, d = p["hkv"] * p["gqa"], p["hd"]
+    pairs = [(p["sq"], p["sk"])] * p["batch"] if "sq" in p else zip(p["lens_q"], p["lens_k"])
+    macs = sum(h * a * b * (3 * d + 30) + 40 * d * (h * a + 2 * p["hkv"] * b) for a, b in pairs)
+    return macs / 7.5e9                  # host seconds on one core
+
+
+# ---- merge_attn_states / merge_states ------------------------------------------------------
+
+def _merge_palette(rng):
+    return dict(hs=8 * int(rng.integers(1, 65)))        # the run's odd head size, 8 ... 512
+
+
+def gen_merge(rng, pal, stacked):
+    dtype = _pick(rng, ("f16", "bf16"))
+    hs = int(_pick(rng, (64, 128, pal["hs"]), p=[0.4, 0.4, 0.2]))
+    k = int(_pick(rng, (1, 2, 2, 3, 4, 5, 8))) if stacked else 2
+    t = 0 if rng.random() < 0.04 else _length(rng, _pick(rng, (64, 512, 3000)))
+    h = int(rng.integers(1, 33))
+    while k * t * h * hs > 5e5:
+        h, t = (h // 2, t) if h > 1 else (h, t * 7 // 10)
+    values = _pick(rng, ("normal", "vmax"), p=[0.85, 0.15]) if dtype == "f16" else "normal"
+    return dict(dtype=dtype, hs=hs, k=k, stacked=stacked, tokens=t, heads=h, values=values,
+                lse_sd=float(_pick(rng, (0.5, 3.0, 30.0))),
+                lse_offset=float(_pick(rng, (0.0, 0.0, 80.0, -1e4, 1e4))),
+                p_empty=float(_pick(rng, (0.0, 0.1, 0.5))),
+                empty_rows=bool(rng.random() < 0.3), nan_empty=bool(rng.random() < 0.7),
+                strided=bool(rng.random() < 0.5), lse_strided=bool(rng.random() < 0.5),
+                out=_pick(rng, ("none", "contig", "strided")),
+                out_lse=_pick(rng, ("none", "contig", "strided")))
+
+
+def build_merge(p, rng):
+    k, t, h, d = p["k"], p["tokens"], p["heads"], p["hs"]
+    outs = rng.standard_normal((k, t, h, d), dtype=np.float32)
+    if p["values"] == "vmax":
+        sel = rng.random(outs.shape) < 0.5
+        outs[sel] = rng.choice([-1.0, 1.0], sel.sum()) * rng.uniform(6e4, 65504, sel.sum())
+    lses = (rng.standard_normal((k, h, t)) * p["lse_sd"] + p["lse_offset"]).astype(np.float32)
+    empty = rng.random(lses.shape) < p["p_empty"]                    # lse = +inf or -inf
+    if p["empty_rows"]:                                              # every state empty
+        empty |= (rng.random((h, t)) < 0.1)[None]
+    lses[empty] = np.where(rng.random(empty.sum()) < 0.5, np.inf, -np.inf)
+    if p["nan_empty"]:                   # what an empty state holds must not be read
+        outs[np.broadcast_to(empty.transpose(0, 2, 1)[..., None], outs.shape)] = np.nan
+    outs = outs.astype(DT[p["dtype"]])
+    ref, ref_lse = merge_reference(np.nan_to_num(outs.astype(np.float64), nan=0.0), lses)
+    return dict(outs=outs, lses=lses, ref=ref, ref_lse=ref_lse)
+
+
+def call_merge(p, c, rng):
+    o, l = c["outs"], c["lses"]
+    t, h, d = o.shape[1:]
+    if p["stacked"]:
+        args = (_place(o, rng, p["strided"])[0],
+                _place(l, rng, p["lse_strided"], free_last=True)[0])
+        fn = cuattn.merge_states
+    else:
+        a, b = (_place(o[i], rng, p["strided"])[0] for i in (0, 1))
+        la, lb = (_place(l[i], rng, p["lse_strided"], free_last=True)[0] for i in (0, 1))
+        args, fn = (a, la, b, lb), cuattn.merge_attn_states
+    out = _poisoned_out((t, h, d), DT[p["dtype"]], rng, p["out"])
+    out_lse = _poisoned_out((h, t), np.float32, rng, p["out_lse"], free_last=True)
+    res = fn(*args, out=out[0], out_lse=out_lse[0])
+    for got, (given, store, outside) in zip(res, (out, out_lse)):
+        if given is not None:
+            assert got is given, "out= / out_lse= was not returned"
+            _assert_untouched(store, outside)
+    return dict(out=res[0].get(), lse=res[1].get())
+
+
+def check_merge(p, c, got):
+    _check_out(got["out"], c["ref"], _rounded(c["ref"], p["dtype"]), 1e-3)
+    _check_lse(got["lse"], c["ref_lse"],
+               lambda g, r: np.allclose(g, r, rtol=1e-5, atol=1e-5))
+
+
+def oracle_merge(p, c):
+    return dict(out=c["ref"].astype(DT[p["dtype"]]), lse=c["ref_lse"].astype(np.float32))
+
+
+def kernels_merge(p, arch):
+    return [merge.MergeVariant(p["dtype"], p["hs"], p["stacked"])]
+
+
+def work_merge(p):
+    return p["k"] * p["tokens"] * p["heads"] * p["hs"] / 5.5e7 + 1e-3
+
+
+# ---- paged_attention ------------------------------------------------------------------------
+
+def _paged_config(rng, core, partition=None):
+    """Kernel-defining choices: dtype, cache, head size, block size, group, ALiBi, partition
+    (None: the library picks)."""
+    cache = "same" if core else _pick(rng, ("same", "e4m3", "u8"), p=[0.5, 0.25, 0.25])
+    sizes = [s for s in paged.HEAD_SIZES if cache == "same" or s % 16 == 0]
+    hs = int(_pick(rng, (64, 128))) if core or rng.random() < 0.5 else int(_pick(rng, sizes))
+    return dict(dtype=_pick(rng, ("f16", "bf16")), cache=cache, hs=hs,
+                bs=16 if core or rng.random() < 0.5 else int(_pick(rng, (8, 32))),
+                group=int(_pick(rng, (1, 4, 8) if core else (1, 2, 4, 8))),
+                alibi=not core and bool(rng.random() < 0.3),
+                partition=partition if core else int(_pick(rng, (128, 256, 512, 1024))))
+
+
+def _paged_palette(rng):
+    """Six configurations per run: two common ones (partition 512 and the library's choice),
+    four from the whole space."""
+    return [_paged_config(rng, True, 512), _paged_config(rng, True, None)] + \
+        [_paged_config(rng, False) for _ in range(4)]
+
+
+def _max_context(p):
+    return (max(-(-n // p["bs"]) for n in p["lens"]) + p["extra_table"]) * p["bs"]
+
+
+def gen_paged(rng, pal):
+    p = dict(pal[int(rng.choice(6, p=[0.3, 0.3, 0.1, 0.1, 0.1, 0.1]))])
+    g, bs, part = p["group"], p["bs"], p["partition"] or 512
+    p["gqa"] = 16 if g == 8 and rng.random() < 0.4 else g
+    p["nkv"] = int(_pick(rng, (1, 1, 2, 4)))              # 1 with gqa > 1: MQA
+    edges = (1, bs - 1, bs, bs + 1, part - 1, part, part + 1, 2 * part + 1)
+    regime = _pick(rng, ("short", "medium", "long"), p=[0.6, 0.3, 0.1])
+    if regime == "long":                 # tens of thousands of tokens: one KV head
+        p["nkv"] = 1
+        lens = [int(rng.integers(8192, 32769))]
+        if rng.random() < 0.3:
+            lens.append(_length(rng, 600, edges))
+    else:
+        n, hi = (int(rng.integers(1, 13)), 600) if regime == "short" else \
+            (int(rng.integers(1, 5)), 2500)
+        lens = [_length(rng, hi, edges) for _ in range(n)]
+    p["lens"] = lens
+    p["extra_table"] = int(rng.integers(0, 4))
+    version = _pick(rng, ("v1", "v2", "auto"))
+    if version == "v1" and 4 * g * max(_max_context(p), 128) > 160_000:
+        version = "auto"                 # v1 keeps a whole sequence's logits in shared memory
+    values = "normal" if p["alibi"] else _pick(rng, ("normal", "big", "offset", "vmax"),
+                                                   p=[0.7, 0.1, 0.1, 0.1])
+    if values == "vmax" and (p["dtype"], p["cache"]) != ("f16", "same"):
+        values = "normal"
+    fp8 = p["cache"] != "same"
+    # scales: fp8 dequantisation (ignored for 16-bit caches, so random there too)
+    ks, vs = (round(float(np.exp(rng.uniform(np.log(0.02), np.log(2.0)))), 4) for _ in "kv")
+    scale = None if rng.random() < 0.7 else round(float(rng.uniform(0.02, 0.3)), 4)
+    if values in ("big", "offset"):      # integer q, k: softmax_scale * k_scale * log2(e) = 2^-a
+        ks = 4.0 if fp8 else ks
+        keff = ks if fp8 else 1.0
+        a = 0 if values == "big" else max(0, round(math.log2(900 * p["hs"] * LN2 / 1e4)))
+        scale = LN2 * 2.0 ** -a / keff
+    p.update(version=version, values=values, k_scale=ks, v_scale=vs, scale=scale,
+             q_strided=bool(rng.random() < 0.5), cache_strided=bool(rng.random() < 0.3),
+             out=_pick(rng, ("none", "contig", "strided")),
+             return_lse=bool(rng.random() < 0.75))
+    return p
+
+
+def _ints_into(cache, fp8, values, rng):
+    """Replace every finite entry of a cache (the slots a sequence reads) by integers."""
+    if fp8:
+        u = cache.view(np.uint8)
+        fin = (u & 0x7F) != 0x7F
+        lo, hi = (-16, 16) if values == "big" else (7, 9)   # x k_scale 4: ~30 for "offset"
+        ints = rng.integers(lo, hi + 1, fin.sum()).astype(np.float32)
+        u[fin] = ints.astype(E4M3).view(np.uint8)
+    else:
+        fin = np.isfinite(cache.astype(np.float32))
+        lo, hi = (-64, 64) if values == "big" else (29, 31)
+        cache[fin] = rng.integers(lo, hi + 1, fin.sum()).astype(np.float32).astype(cache.dtype)
+
+
+def build_paged(p, rng):
+    c = make_case(rng, lengths=p["lens"], nkv=p["nkv"], gqa=p["gqa"], head_size=p["hs"],
+                  block_size=p["bs"], dtype=p["dtype"], cache_kind=p["cache"],
+                  k_scale=p["k_scale"], v_scale=p["v_scale"], extra_table=p["extra_table"],
+                  alibi=p["alibi"])
+    if p["values"] in ("big", "offset"):
+        lo, hi = (-64, 64) if p["values"] == "big" else (29, 31)
+        c["q"] = rng.integers(lo, hi + 1, c["q"].shape).astype(np.float32).astype(c["q"].dtype)
+        _ints_into(c["k_cache"], p["cache"] != "same", p["values"], rng)
+    elif p["values"] == "vmax":
+        vc = c["v_cache"]
+        fin = np.isfinite(vc) & (rng.random(vc.shape) < 0.5)
+        vc[fin] = rng.choice([-1.0, 1.0], fin.sum()) * rng.uniform(6e4, 65504, fin.sum())
+    scale = 1.0 / math.sqrt(p["hs"]) if p["scale"] is None else p["scale"]
+    c["ref"], c["ref_lse"] = paged_reference(c["q"], c["k_cache"], c["v_cache"],
+                                             c["block_tables"], c["seq_lens"], scale,
+                                             p["k_scale"], p["v_scale"], c["alibi_slopes"])
+    return c
+
+
+def call_paged(p, c, rng):
+    import cupy as cp
+    q = _place(c["q"], rng, p["q_strided"])[0]
+    kc, vc = (_place(c[n], rng, p["cache_strided"])[0] for n in ("k_cache", "v_cache"))
+    out, store, outside = _poisoned_out(c["q"].shape, c["q"].dtype, rng, p["out"])
+    res = cuattn.paged_attention(
+        q, kc, vc, cp.asarray(c["block_tables"]), cp.asarray(c["seq_lens"]),
+        softmax_scale=p["scale"], k_scale=p["k_scale"], v_scale=p["v_scale"],
+        alibi_slopes=None if c["alibi_slopes"] is None else cp.asarray(c["alibi_slopes"]),
+        version=p["version"], partition_size=p["partition"], return_lse=p["return_lse"],
+        out=out)
+    return _flash_result(res, p, out, store, outside)
+
+
+def check_paged(p, c, got):
+    _check_out(got["out"], c["ref"], _rounded(c["ref"], p["dtype"]), 1e-3)
+    _check_lse(got["lse"], c["ref_lse"], lambda g, r: np.allclose(g, r, rtol=1e-4, atol=1e-3))
+
+
+def _paged_key(p, partition):
+    """The main kernel's variant (paged._variant where the tensor-core form exists)."""
+    cache = p["dtype"] if p["cache"] == "same" else "e4m3"
+    args = (p["dtype"], cache, p["hs"], p["bs"], p["group"], partition, p["alibi"])
+    make = getattr(paged, "_variant", None)
+    return make(*args) if make else paged.PagedVariant(*args)
+
+
+def kernels_paged(p, arch):
+    """The v1 / v2 variants the call may run: a superset where the library's choice depends
+    on the device (version "auto", partition None)."""
+    keys = [_paged_key(p, 0)] if p["version"] != "v2" else []
+    if p["version"] != "v1":
+        parts = [p["partition"]] if p["partition"] else tuning.PAGED_PARTITION_SIZES
+        keys += [_paged_key(p, ps) for ps in parts]
+        keys.append(paged.PagedReduceVariant(p["dtype"], p["hs"], paged._reduce_threads(p["hs"])))
+    return keys
+
+
+def work_paged(p):
+    tokens = sum(p["lens"]) + 5 * p["bs"] + len(p["lens"]) * p["bs"]
+    return tokens * p["nkv"] * p["hs"] * (30 + 4 * p["gqa"]) / 1.3e9
+
+
+# ---- reshape_and_cache ----------------------------------------------------------------------
+
+def gen_reshape(rng, pal):
+    cache = _pick(rng, ("same", "e4m3", "u8"), p=[0.5, 0.25, 0.25])
+    dtype = _pick(rng, ("f16", "bf16"))
+    hs = int(_pick(rng, [s for s in paged.HEAD_SIZES if cache == "same" or s % 16 == 0]))
+    bs, nkv = int(_pick(rng, paged.BLOCK_SIZES)), int(rng.integers(1, 9))
+    blocks = int(rng.integers(1, 129))
+    while blocks * bs * nkv * hs > 1e6:
+        nkv, blocks = (nkv // 2, blocks) if nkv > 1 else (nkv, blocks // 2)
+    tokens = 0 if rng.random() < 0.05 else int(rng.integers(1, min(1000, blocks * bs) + 1))
+    values = "vmax" if dtype == "f16" and cache == "same" and rng.random() < 0.2 else "normal"
+    return dict(dtype=dtype, cache=cache, hs=hs, bs=bs, nkv=nkv, blocks=blocks, tokens=tokens,
+                slot64=bool(rng.random() < 0.5), neg=float(_pick(rng, (0.0, 0.0, 0.1, 0.5))),
+                amp=float(_pick(rng, (1e-3, 1.0, 1.0, 30.0))), values=values,
+                kv_strided=bool(rng.random() < 0.5), cache_strided=bool(rng.random() < 0.3))
+
+
+def build_reshape(p, rng):
+    dt = DT[p["dtype"]]
+    cdt = dt if p["cache"] == "same" else (E4M3 if p["cache"] == "e4m3" else np.dtype(np.uint8))
+    n, nkv, hs, bs = p["tokens"], p["nkv"], p["hs"], p["bs"]
+    kshape, vshape = cuattn.paged_kv_cache_shapes(p["blocks"], nkv, hs, bs, cdt)
+    bits = np.uint8 if cdt.itemsize == 1 else np.uint16
+    k0, v0 = (rng.integers(0, np.iinfo(bits).max + 1, s, dtype=bits).view(cdt)
+              for s in (kshape, vshape))                              # any bytes, NaN included
+    kv = rng.standard_normal((2, n, nkv, hs), dtype=np.float32) * p["amp"]
+    if p["values"] == "vmax":
+        kv = np.sign(kv) * rng.uniform(6e4, 65504, kv.shape)
+    key, value = kv.astype(dt)
+    slots = rng.permutation(p["blocks"] * bs)[:n].astype(np.int64 if p["slot64"] else np.int32)
+    neg = rng.random(n) < p["neg"]
+    slots[neg] = -rng.integers(1, 2**40 if p["slot64"] else 2**31, neg.sum())
+    # fp8: max|x| / scale stays below e4m3's 448 (beyond it ml_dtypes gives NaN, CUDA 448)
+    ks, vs = (float(p["amp"] * np.exp(rng.uniform(np.log(0.02), np.log(2.0))))
+              if cdt.itemsize == 1 else 1.0 for _ in "kv")
+    k_exp, v_exp = k0.copy(), v0.copy()
+    ok = slots >= 0
+    blk, off = slots[ok] // bs, slots[ok] % bs
+    kt, vt = key[ok], value[ok]
+    if cdt.itemsize == 1:
+        kt, vt = ((x.astype(np.float32) / np.float32(s)).astype(E4M3).view(np.uint8).view(cdt)
+                  for x, s in ((kt, ks), (vt, vs)))
+    k_exp[blk, :, :, off, :] = kt.reshape(-1, nkv, hs // kshape[4], kshape[4])
+    v_exp[blk, :, :, off] = vt
+    c = dict(key=key, value=value, slots=slots, k_scale=ks, v_scale=vs)
+    for n, init, want in (("k", k0, k_exp), ("v", v0, v_exp)):   # the caches' storages
+        layout = _layout(rng, init.ndim, init.itemsize, p["cache_strided"])
+        init, want = (x.view(np.uint8) if x.dtype == E4M3 else x for x in (init, want))
+        c[n + "_init"], _, c[n + "_view"] = _storage(init, layout)
+        c[n + "_want"] = _storage(want, layout)[0]
+    return c
+
+
+def call_reshape(p, c, rng):
+    import cupy as cp
+    key, value = (_place(c[n], rng, p["kv_strided"])[0] for n in ("key", "value"))
+    stores = [cp.asarray(c[n + "_init"]) for n in "kv"]
+    views = [s if c[n + "_view"] is None else s.transpose(c[n + "_view"][0])[c[n + "_view"][1]]
+             for n, s in zip("kv", stores)]      # (fp8 caches travel as their uint8 bytes)
+    cuattn.reshape_and_cache(key, value, *views, cp.asarray(c["slots"]),
+                             k_scale=c["k_scale"], v_scale=c["v_scale"])
+    return dict(k=stores[0].get(), v=stores[1].get())
+
+
+def check_reshape(p, c, got):
+    for n in "kv":                       # bit for bit, the storage outside the views included
+        diff = got[n].view(np.uint8) != c[n + "_want"].view(np.uint8)
+        assert not diff.any(), f"{n}_cache differs in {int(diff.sum())} bytes"
+
+
+def oracle_reshape(p, c):
+    return dict(k=c["k_want"], v=c["v_want"])
+
+
+def kernels_reshape(p, arch):
+    cache = p["dtype"] if p["cache"] == "same" else "e4m3"
+    return [paged.ReshapeCacheVariant(p["dtype"], cache, p["slot64"])] if p["tokens"] else []
+
+
+def work_reshape(p):
+    cache = p["blocks"] * p["nkv"] * p["hs"] * p["bs"]
+    return (cache + p["tokens"] * p["nkv"] * p["hs"]) / 1e8 + 1e-3
+
+
+# ---- the runner ----------------------------------------------------------------------------
+
+Spec = namedtuple("Spec", "palette gen build call check oracle kernels work")
+SPECS = {
+    "flash_forward": Spec(_flash_palette, gen_flash, build_flash, call_flash, check_flash,
+                          oracle_flash, kernels_flash, work_flash),
+    "flash_varlen_forward": Spec(_flash_palette, gen_varlen, build_varlen, call_varlen,
+                                 check_flash, oracle_flash, kernels_flash, work_flash),
+    "merge_attn_states": Spec(_merge_palette, lambda r, pal: gen_merge(r, pal, False),
+                              build_merge, call_merge, check_merge, oracle_merge, kernels_merge,
+                              work_merge),
+    "merge_states": Spec(_merge_palette, lambda r, pal: gen_merge(r, pal, True),
+                         build_merge, call_merge, check_merge, oracle_merge, kernels_merge,
+                         work_merge),
+    "paged_attention": Spec(_paged_palette, gen_paged, build_paged, call_paged, check_paged,
+                            oracle_flash, kernels_paged, work_paged),
+    "reshape_and_cache": Spec(lambda r: None, gen_reshape, build_reshape, call_reshape,
+                              check_reshape, oracle_reshape, kernels_reshape, work_reshape),
+}
+
+
+def _cases(fn, base, indices):
+    spec = SPECS[fn]
+    shared = "flash_forward" if fn.startswith("flash") else fn     # the flash tests share
+    palette = spec.palette(_rng(base, shared, 0, 2))
+    return [(i, spec.gen(_rng(base, fn, i, 0), palette)) for i in indices]
+
+
+def _fuzz(fn):
+    spec = SPECS[fn]
+    base = _base_seed()
+    print(f"\n[seed] {fn}: CUATTN_TEST_SEED={base}")
+    only = os.environ.get("CUATTN_FUZZ_ONLY")
+    cases = _cases(fn, base, [int(i) for i in only.split(",")] if only else range(N_CASES))
+    t0 = time.perf_counter()
+    _prebuild(spec, cases)
+    t1 = time.perf_counter()
+    failures, ran = [], 0
+    for i, p in cases:
+        ran += 1
+        rng = _rng(base, fn, i, 1)
+        try:
+            c = spec.build(p, rng)
+            spec.check(p, c, spec.call(p, c, rng))
+        except Exception as e:           # noqa: BLE001 -- collected, reported at the end
+            failures.append(f"case {i}: {p}\n    {type(e).__name__}: {str(e)[:300]}\n"
+                            f"    replay: CUATTN_TEST_SEED={base} CUATTN_FUZZ_ONLY={i} "
+                            f"python -m pytest -q -s 'tests/test_fuzz.py::test_fuzz[{fn}]'")
+            if len(failures) >= MAX_FAILURES:
+                break
+    print(f"[fuzz] {fn}: {ran} cases run, {len(failures)} failures "
+          f"(compile {t1 - t0:.1f} s, cases {time.perf_counter() - t1:.1f} s, seed {base})")
+    if failures:
+        stop = " (stopped early)" if ran < len(cases) else ""
+        pytest.fail(f"{fn}: {len(failures)} of {ran} cases failed{stop}, seed {base}\n"
+                    + "\n".join(failures), pytrace=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fn", FUNCS)
+def test_fuzz(fn):
+    _fuzz(fn)
+
+
+# ---- CPU: the harness itself ----------------------------------------------------------------
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_case_space_stays_within_the_budgets(seed):
+    """Kernel variants (compiles) and host seconds of the default N cases."""
+    kernels = {g: set() for g in KERNEL_BUDGET}
+    total = 0.0
+    for fn in FUNCS:
+        cases = _cases(fn, seed, range(DEFAULT_CASES))
+        for _, p in cases:
+            kernels["flash" if fn.startswith("flash") else fn].update(
+                SPECS[fn].kernels(p, "sm_90"))
+        host = sum(SPECS[fn].work(p) for _, p in cases)
+        total += host
+        print(f"{fn}: ~{host:.1f} host s (budget {HOST_S_BUDGET[fn]})")
+        assert host <= HOST_S_BUDGET[fn], (fn, host)
+    assert total <= HOST_S_TOTAL, total
+    for g, vs in kernels.items():
+        print(f"{g}: {len(vs)} kernel variants (budget {KERNEL_BUDGET[g]})")
+        assert len(vs) <= KERNEL_BUDGET[g], (g, sorted(v.name for v in vs))
+
+
+def test_cases_replay_alone():
+    """A case's parameters depend on (seed, function, index) only, not on N or the others."""
+    for fn in FUNCS:
+        full = dict(_cases(fn, 7, range(40)))
+        assert dict(_cases(fn, 7, [33, 5])) == {33: full[33], 5: full[5]}
+        b1 = SPECS[fn].build(full[5], _rng(7, fn, 5, 1))
+        b2 = SPECS[fn].build(full[5], _rng(7, fn, 5, 1))
+        a = next(x for x in b1.values() if isinstance(x, np.ndarray) and x.size)
+        b = next(x for x in b2.values() if isinstance(x, np.ndarray) and x.size)
+        assert np.array_equal(a.view(np.uint8), b.view(np.uint8))
+
+
+_REF_CASES = [(False, (-1, -1), 37, 91, 4, 2), (True, (-1, -1), 50, 20, 4, 1),
+              (False, (3, 0), 17, 17, 2, 2), (False, (5, 2), 40, 9, 8, 1),
+              (False, (-1, -1), 5, 0, 2, 1), (True, (4, -1), 0, 7, 2, 2)]
+
+
+@pytest.mark.parametrize("dt", ["f16", "bf16"])
+def test_fast_flash_reference_matches_attention_ref(dt):
+    """_attn_ref is test_flash.attention_ref (and its lowp form), vectorised differently."""
+    rng = np.random.default_rng(0)
+    for causal, window, sq, sk, h, hkv in _REF_CASES:
+        q = rng.standard_normal((2, sq, h, 40)).astype(DT[dt])
+        k, v = (rng.standard_normal((2, sk, hkv, 40)).astype(DT[dt]) for _ in "kv")
+        ref, ref_lp, lse = _attn_ref(q, k, v, causal, window, 0.2, dt)
+        kw = dict(causal=causal, window=window, scale=0.2)
+        want, want_lse = attention_ref(q, k, v, **kw)
+        want_lp, _ = attention_ref(q, k, v, lowp=DT[dt], **kw)
+        assert np.allclose(ref, want, atol=1e-12)
+        assert np.allclose(lse, want_lse, atol=1e-12)          # (equal infinities match)
+        assert np.allclose(ref_lp, want_lp, rtol=1e-2, atol=1e-6)
+
+
+@pytest.mark.parametrize("fn", FUNCS)
+def test_harness_on_cpu_with_an_oracle(fn):
+    """Generated cases build, their references pass for the reference rounded to the output
+    dtype (the tolerance is attainable) and fail for a perturbed answer (the check bites)."""
+    spec = SPECS[fn]
+    bitten = 0
+    t0 = time.perf_counter()
+    for i, p in _cases(fn, 11, range(30)):
+        c = spec.build(p, _rng(11, fn, i, 1))
+        got = spec.oracle(p, c)
+        spec.check(p, c, got)
+        if fn == "reshape_and_cache":
+            bad = dict(got, v=got["v"].copy())
+            bad["v"].view(np.uint8).flat[0] ^= 1
+        else:
+            bad = _perturbed(got)
+            if not bad["out"].size:
+                continue
+        with pytest.raises(AssertionError):
+            spec.check(p, c, bad)
+        bitten += 1
+    print(f"{fn}: 30 cases on the CPU in {time.perf_counter() - t0:.1f} s, {bitten} perturbed")
+    assert bitten >= 10
