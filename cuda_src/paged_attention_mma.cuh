@@ -1,6 +1,8 @@
-// Paged-attention decode on tensor cores, for GQA groups of 16-bit caches. Same arguments,
-// grid and outputs as paged_attention_kernel (paged_attention.cuh), so v1, v2 and the
-// partition reduce are shared; only the inner loops differ.
+// Paged-attention decode on tensor cores, for 16-bit caches and head sizes that are multiples
+// of 16 (every GQA group: measured faster than the CUDA-core form even at group 1, see
+// cuattn.tuning.PAGED_MMA_MIN_GROUP). Same arguments, grid and outputs as
+// paged_attention_kernel (paged_attention.cuh), so v1, v2 and the partition reduce are
+// shared; only the inner loops differ, and v1 keeps no logits (no length limit).
 //
 // Why: with GROUP query heads per KV head, the CUDA-core kernel does GROUP dot products per
 // K/V element it loads, and at GROUP 4 its instruction issue, not HBM, set the pace (76-85%
