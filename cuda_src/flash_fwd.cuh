@@ -568,37 +568,21 @@ __device__ void flash_fwd_kernel(const FlashFwdParams& p) {
     T* o_ptr = static_cast<T*>(const_cast<void*>(p.out)) + b * p.o_stride_batch +
                (long long)qr.start * p.o_stride_row + h * p.o_stride_head;
     const int row0 = warp * Tr::WARP_M;
-    if constexpr (Q_SMEM == 0) {
-#pragma unroll
-      for (int it = 0; it < Tr::Q_LOADS_PER_LANE; ++it) {
-        const int c = it * 32 + lane;
-        const int r = row0 + c / D_CHUNKS, ch = c % D_CHUNKS;
-        const int i = m0 + r;
-        if (i < sq && ch < head_dim_chunks) {
-          Vec16 v16;
-          const u32 addr = smem_q + swizzled_offset<D_CHUNKS>(r, ch);
-          asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-                       : "=r"(v16.raw.x), "=r"(v16.raw.y), "=r"(v16.raw.z), "=r"(v16.raw.w)
-                       : "r"(addr));
-          store16(o_ptr + (long long)i * p.o_stride_row + ch * 8, v16);
-        }
-      }
-    } else {
-      // 32 rows per warp: the same loop rolled, or ptxas hoists all the 16-byte loads and
-      // spills around the end of the key loop (hd128 128x64: 184 bytes of spills -> 20).
-#pragma unroll 1
-      for (int it = 0; it < Tr::Q_LOADS_PER_LANE; ++it) {
-        const int c = it * 32 + lane;
-        const int r = row0 + c / D_CHUNKS, ch = c % D_CHUNKS;
-        const int i = m0 + r;
-        if (i < sq && ch < head_dim_chunks) {
-          Vec16 v16;
-          const u32 addr = smem_q + swizzled_offset<D_CHUNKS>(r, ch);
-          asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-                       : "=r"(v16.raw.x), "=r"(v16.raw.y), "=r"(v16.raw.z), "=r"(v16.raw.w)
-                       : "r"(addr));
-          store16(o_ptr + (long long)i * p.o_stride_row + ch * 8, v16);
-        }
+    // With 32 rows per warp (Q_SMEM) the loop stays rolled, or ptxas hoists all the 16-byte
+    // loads and spills around the end of the key loop (hd128 128x64: 184 bytes -> 20).
+    constexpr int STORE_UNROLL = Q_SMEM == 0 ? Tr::Q_LOADS_PER_LANE : 1;
+#pragma unroll (STORE_UNROLL)
+    for (int it = 0; it < Tr::Q_LOADS_PER_LANE; ++it) {
+      const int c = it * 32 + lane;
+      const int r = row0 + c / D_CHUNKS, ch = c % D_CHUNKS;
+      const int i = m0 + r;
+      if (i < sq && ch < head_dim_chunks) {
+        Vec16 v16;
+        const u32 addr = smem_q + swizzled_offset<D_CHUNKS>(r, ch);
+        asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(v16.raw.x), "=r"(v16.raw.y), "=r"(v16.raw.z), "=r"(v16.raw.w)
+                     : "r"(addr));
+        store16(o_ptr + (long long)i * p.o_stride_row + ch * 8, v16);
       }
     }
     if (p.lse != nullptr && t4 == 0) {
