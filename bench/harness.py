@@ -16,25 +16,26 @@ from cupyx.profiler import benchmark
 L2_FLUSH_BYTES = 256 << 20
 
 
-def median_ms(fn, *, n_warmup: int = 10, n_repeat: int = 50, flush_l2: bool = False,
+def median_ms(fn, *, n_warmup: int = 10, n_repeat: int = 50, flush_l2: bool | str = False,
               graph: int = 0) -> float:
     """Median GPU time of ``fn()`` in milliseconds.
 
     ``graph=n`` captures n back-to-back calls of ``fn`` in a CUDA graph and times its
     replays (per call): the GPU time of the kernels alone, without the Python launch
-    path in between (``fn`` must allocate nothing). ``flush_l2`` writes a 256 MB buffer
-    before every rep, outside the timed region, so every rep reads from memory.
+    path in between (``fn`` must allocate nothing). ``flush_l2`` empties the L2 of
+    ``fn``'s data before every rep, outside the timed region (see ``L2Flush``): ``True``
+    or ``"clean"``, or ``"dirty"``.
     """
     if graph:
         return _graph_median_ms(fn, graph, n_warmup, n_repeat, flush_l2)
     if not flush_l2:
         res = benchmark(fn, n_warmup=n_warmup, n_repeat=n_repeat)
         return float(np.median(res.gpu_times[0]) * 1e3)
-    scratch = cupy.empty(L2_FLUSH_BYTES, dtype=np.uint8)
+    flush = L2Flush(flush_l2)
     start, stop = cupy.cuda.Event(), cupy.cuda.Event()
     times = []
     for i in range(n_warmup + n_repeat):
-        scratch.fill(i & 0xFF)
+        flush(i)
         start.record()
         fn()
         stop.record()
@@ -53,12 +54,12 @@ def _graph_median_ms(fn, calls, n_warmup, n_repeat, flush_l2) -> float:
         for _ in range(calls):
             fn()
         g = stream.end_capture()
-        scratch = cupy.empty(L2_FLUSH_BYTES, dtype=np.uint8) if flush_l2 else None
+        flush = L2Flush(flush_l2) if flush_l2 else None
         start, stop = cupy.cuda.Event(), cupy.cuda.Event()
         times = []
         for i in range(n_warmup + n_repeat):
-            if scratch is not None:
-                scratch.fill(i & 0xFF)
+            if flush is not None:
+                flush(i)
             start.record(stream)
             g.launch(stream)
             stop.record(stream)
@@ -66,6 +67,50 @@ def _graph_median_ms(fn, calls, n_warmup, n_repeat, flush_l2) -> float:
             if i >= n_warmup:
                 times.append(cupy.cuda.get_elapsed_time(start, stop) / calls)
     return float(statistics.median(times))
+
+
+_FLUSH_READ_KERNEL = r"""
+extern "C" __global__ void flush_read(const uint4* x, long long n, unsigned* out) {
+  unsigned acc = 0;    // plain loads: every line is allocated in L2 at normal priority
+  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+       i += (long long)gridDim.x * blockDim.x) {
+    uint4 v = x[i];
+    acc ^= v.x ^ v.y ^ v.z ^ v.w;
+  }
+  if (acc == 0x12345678u) out[0] = acc;
+}
+"""
+
+
+class L2Flush:
+    """Evicts the timed function's data from L2 by streaming a 256 MB buffer through it.
+
+    ``"clean"`` (the default) reads the buffer: L2 is left full of clean lines, and any
+    dirty line is written back here, outside the timed region. ``"dirty"`` writes it
+    (``fill``, what most harnesses do): L2 is left full of dirty lines, and the timed
+    kernel pays their write-back as its reads evict them. On the H200 that cost 4 us to
+    the plain read kernel over 134 MB (35.1 -> 39.3 us) and 8 us to a batch-1 decode call
+    of the same bytes (41.6 -> 50.0 us; bench/lab/decode_flush.py). A decode step follows
+    GEMMs that read their weights, so its L2 holds mostly clean lines: "clean" is the
+    realistic state, "dirty" the pessimistic one. The ceilings (2 GB, no flush) pay neither.
+    """
+
+    def __init__(self, mode: bool | str = "clean"):
+        mode = "clean" if mode is True else mode
+        if mode not in ("clean", "dirty"):
+            raise ValueError(f"flush_l2: expected True, 'clean' or 'dirty', got {mode!r}")
+        self.mode = mode
+        self.buf = cupy.zeros(L2_FLUSH_BYTES, dtype=np.uint8)
+        self._read = cupy.RawKernel(_FLUSH_READ_KERNEL, "flush_read")
+        self._sink = cupy.zeros(1, dtype=np.uint32)
+        self._sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
+
+    def __call__(self, i: int = 0) -> None:
+        if self.mode == "dirty":
+            self.buf.fill(i & 0xFF)
+        else:
+            self._read((self._sms * 4,), (512,), (self.buf, np.int64(L2_FLUSH_BYTES // 16),
+                                                  self._sink))
 
 
 def host_us_per_call(fn, *, n: int = 300) -> float:
@@ -105,6 +150,20 @@ extern "C" __global__ void read_sum(const uint4* __restrict__ x, long long n, un
   if (acc == 0x12345678u) out[0] = acc;   // keeps the loads alive
 }
 """
+
+
+def plain_read_ms(nbytes: int, *, flush_l2: bool | str = "clean") -> float:
+    """The read-ceiling kernel over a contiguous buffer of ``nbytes`` (rounded down to 16),
+    timed like a decode call (CUDA-graph replays, L2 flushed): what reading that many bytes
+    costs at that size, launch ramp-up and tail included."""
+    read = cupy.RawKernel(_READ_KERNEL, "read_sum")
+    sink = cupy.zeros(1, dtype=np.uint32)
+    sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
+    buf = cupy.ones(nbytes // 16 * 2, dtype=np.uint64)
+    n16 = np.int64(nbytes // 16)
+    return median_ms(lambda: read((sms * 4,), (512,), (buf, n16, sink),
+                                  stream=cupy.cuda.get_current_stream()),
+                     n_warmup=5, n_repeat=30, flush_l2=flush_l2, graph=1)
 
 
 def measure_ceilings(quick: bool = False) -> Ceilings:

@@ -6,6 +6,12 @@ than L2, and L2 is flushed before every rep, so K/V come from memory; kernel tim
 CUDA-graph replays (no Python launch gaps). Bandwidth counts the
 K+V bytes that must be read: batch * ctx * kv_heads * 128 * 2 B * 2.
 
+The flush leaves L2 full of clean lines (harness.L2Flush "clean"), as the GEMMs before a
+decode step leave it. The auto row also gives the time after a "dirty" flush (L2 full of
+written lines the kernel pays to write back), and "read us" is the plain read kernel over a
+contiguous buffer of the same bytes after the same clean flush: what reading that much costs
+at this size, ramp-up and tail included.
+
     python -m bench.suite_decode [--quick]
 """
 from __future__ import annotations
@@ -16,7 +22,8 @@ import cupy
 import ml_dtypes
 import numpy as np
 
-from bench.harness import Ceilings, format_table, host_us_per_call, measure_ceilings, median_ms
+from bench.harness import (Ceilings, format_table, host_us_per_call, measure_ceilings,
+                           median_ms, plain_read_ms)
 
 NUM_HEADS = 32
 HEAD_SIZE = 128
@@ -60,6 +67,7 @@ def run(ceilings: Ceilings, quick: bool) -> list[dict]:
             q = cupy.random.standard_normal((batch, NUM_HEADS, HEAD_SIZE), dtype=np.float32).astype(bf16)
             out = cupy.empty_like(q)
             kv_bytes = batch * ctx * kvh * HEAD_SIZE * bf16.itemsize * 2
+            same_bytes_read_us = 1e3 * plain_read_ms(kv_bytes)
             for version in VERSIONS:
                 def call(version=version):
                     cuattn.paged_attention(q, k_cache, v_cache, block_tables, seq_lens,
@@ -73,10 +81,14 @@ def run(ceilings: Ceilings, quick: bool) -> list[dict]:
                                 "note": str(e).split(";")[0][:60]})
                     rows.append(row)
                     continue
-                ms = median_ms(call, n_warmup=5, n_repeat=30, flush_l2=True, graph=1)
+                ms = median_ms(call, n_warmup=5, n_repeat=30, flush_l2="clean", graph=1)
                 gbps = kv_bytes / ms / 1e6
                 row.update({"us": ms * 1e3, "GB/s": gbps,
-                            "% read BW": 100.0 * gbps / ceilings.read_gbps})
+                            "% read BW": 100.0 * gbps / ceilings.read_gbps,
+                            "read us": same_bytes_read_us})
+                if version == "auto":
+                    row["us (dirty L2)"] = 1e3 * median_ms(call, n_warmup=5, n_repeat=30,
+                                                           flush_l2="dirty", graph=1)
                 if batch == 1 and ctx == 4096:   # small work: the launch path is what shows
                     row["host us/call"] = host_us_per_call(call, n=500)
                 rows.append(row)

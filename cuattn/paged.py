@@ -141,6 +141,7 @@ class PagedMmaVariant(Variant):
     stages: int = 0
     tile: int = 0
     p_split: int = -1     # -1: tuning picks; 1: P as hi + lo halves (two P.V MMAs)
+    evict_first: int = -1  # -1: tuning picks; 1: K/V copies with an L2 evict-first policy
 
     op: ClassVar[str] = "paged_mma"
     header: ClassVar[str] = "paged_attention_mma.cuh"
@@ -149,7 +150,8 @@ class PagedMmaVariant(Variant):
 
     def __post_init__(self):
         tiles = tuning.paged_mma_tiles(self.head_size)
-        for knob, unset in (("num_warps", 0), ("stages", 0), ("tile", 0), ("p_split", -1)):
+        for knob, unset in (("num_warps", 0), ("stages", 0), ("tile", 0), ("p_split", -1),
+                            ("evict_first", -1)):
             if getattr(self, knob) == unset:
                 object.__setattr__(self, knob, int(getattr(tiles, knob)))
 
@@ -157,12 +159,13 @@ class PagedMmaVariant(Variant):
         return (self.dtype, f"hd{self.head_size}", f"bs{self.block_size}", f"g{self.group}",
                 f"p{self.partition_size}" if self.partition_size else "v1",
                 f"a{int(self.alibi)}", f"w{self.num_warps}", f"st{self.stages}",
-                f"tile{self.tile}") + (("psplit",) if self.p_split else ())
+                f"tile{self.tile}") + (("psplit",) if self.p_split else ()) + \
+            (("ef",) if self.evict_first else ())
 
     def template_args(self):
         return (BY_SHORT[self.dtype].cpp, self.head_size, self.block_size, self.group,
                 self.partition_size, self.alibi, self.num_warps, self.stages, self.tile,
-                bool(self.p_split))
+                bool(self.p_split), bool(self.evict_first))
 
     @property
     def num_threads(self) -> int:
@@ -439,8 +442,8 @@ _plans: dict = {}
 # Knobs forced on every PagedVariant that paged_attention builds (pipeline, min_blocks,
 # num_threads): for bench/lab/decode_sweep.py only, which clears _plans after changing it.
 _VARIANT_OVERRIDES: dict = {}
-# The same for the tensor-core form (num_warps, stages, tile, p_split), and "use": True /
-# False to force it on / off where it can run.
+# The same for the tensor-core form (num_warps, stages, tile, p_split, evict_first), and
+# "use": True / False to force it on / off where it can run.
 _MMA_OVERRIDES: dict = {}
 
 

@@ -172,6 +172,11 @@ class PagedMmaTiles:
     stages: int = 3
     tile: int = 16          # tokens per warp step (16 or 32)
     p_split: bool = True    # P as bf16/f16 hi + lo (two P.V MMAs): ~fp32 accuracy
+    # K/V copies with an L2 evict-first policy (read once). MEASURED (decode_sweep, H200,
+    # clean L2, us off -> on): 32 x 4096 kvh 8 v2 p256 143 -> 133, 1 x 32768 p1024 40.7 ->
+    # 40.5, v1 rows within 1%. After a dirty flush it helps batch 1 (49.1 -> 45.8) and costs
+    # v1 at large batch 3-5% (139 -> 143 at 32 x 4096): on, as the clean state is the real one.
+    evict_first: bool = True
 
 
 PAGED_MMA = PagedMmaTiles()
@@ -201,7 +206,8 @@ PAGED_PARTITION_SIZES = (128, 256, 512, 1024)
 # each taking every GROUPS-th partition. With one group, batch 1 x 32768 tokens (kv heads 8,
 # 32 or 64 partitions per row, 32 rows) spent more time in the reduce's chain of dependent
 # loads than the partition size saved: v2 p256 52% vs p1024 66% of read BW (decode_sweep,
-# H200, tensor-core form). Four groups: first guess, unmeasured.
+# H200, tensor-core form). Four groups: the call at p256 64.3 -> 55.9 us (round 3); with
+# each group's loads issued together (round 4) the reduce adds 2.8 us after the main kernel.
 PAGED_REDUCE_GROUPS = 4
 RESHAPE_CACHE_NUM_THREADS = 128
 # Shipped (precompiled) set: bf16/f16 x these head sizes x block 16 x v1/v2 x groups.

@@ -483,89 +483,103 @@ struct PagedReduceParams {
 };
 
 // Grid: (num_heads, num_seqs), block: (NUM_THREADS) = DIM_THREADS (4 dims each) x GROUPS.
-// Merges the partitions of one (sequence, head) with the online-softmax formula
-// (m = max lse_i, out = sum e^(lse_i - m) o_i / sum e^(lse_i - m)); one partition is copied
-// through, none (an empty sequence) gives zeros and lse = -inf. The GROUPS thread groups take
-// every GROUPS-th partition, so that at batch 1 (tens of partitions per row, a few rows) the
-// loads of different partitions are in flight together instead of one after another.
+// Merges the partitions of one (sequence, head): out = sum e^(lse_i - m) o_i / sum e^(lse_i - m),
+// lse = m + log(sum e^(lse_i - m)); one partition comes through unchanged (weight e^0 = 1),
+// none (an empty sequence) gives zeros and lse = -inf.
+// Latency, not bandwidth, is what this kernel costs (a few KB per row, still in L2 after the
+// main kernel), so it is written to have few dependent round trips to memory: each of the
+// GROUPS thread groups takes every GROUPS-th partition and folds them in CHUNKs whose lse
+// and output loads are all issued together, keeping its own running max (an online softmax
+// over partitions); the groups then merge once through shared memory. At batch 1 x 32768
+// (32 partitions, 4 groups) that is seq_len -> one chunk of loads -> one barrier -> store.
 template <typename T, int HEAD_SIZE, int NUM_THREADS>
 __device__ void paged_attention_reduce_kernel(const PagedReduceParams& p) {
   static_assert(HEAD_SIZE % 4 == 0, "float4 rows");
   constexpr int DIM_THREADS = (HEAD_SIZE / 4 + 31) / 32 * 32;
   constexpr int GROUPS = NUM_THREADS / DIM_THREADS;
   static_assert(GROUPS >= 1 && NUM_THREADS % DIM_THREADS == 0, "whole thread groups");
-  constexpr int NUM_WARPS = NUM_THREADS / 32;
-  __shared__ float red_s[NUM_WARPS];
+  constexpr int CHUNK = 8;   // partitions per thread whose loads are in flight together
   __shared__ float4 acc_s[GROUPS][DIM_THREADS];
+  __shared__ float max_s[GROUPS], sum_s[GROUPS];
 
   const int head = blockIdx.x, seq = blockIdx.y;
-  const int tid = threadIdx.x, group = tid / DIM_THREADS;
-  const int d = (tid % DIM_THREADS) * 4;
+  const int tid = threadIdx.x, group = tid / DIM_THREADS, dt = tid % DIM_THREADS;
+  const int d = dt * 4;
+  const bool has_dims = d < HEAD_SIZE;
   int seq_len = static_cast<const int*>(p.seq_lens)[seq];
   seq_len = min(max(seq_len, 0), p.max_seq_len);
   const int num_parts = (seq_len + p.partition_size - 1) / p.partition_size;
   const long long row = (long long)seq * p.num_heads + head;
   const float* lse_row = static_cast<const float*>(p.tmp_lse) + row * p.max_parts;
-  const float* out_row = static_cast<const float*>(p.tmp_out) + row * p.max_parts * HEAD_SIZE + d;
+  // Threads past the head's dims (HEAD_SIZE % 128 != 0) load a valid column and drop it.
+  const float* out_row = static_cast<const float*>(p.tmp_out) + row * p.max_parts * HEAD_SIZE +
+                         (has_dims ? d : HEAD_SIZE - 4);
 
-  // Block-wide max / sum of one value per thread (every thread gets the result).
-  auto block_reduce = [&](float v, bool is_max) {
-#pragma unroll
-    for (int off = 16; off > 0; off /= 2) {
-      const float o = __shfl_xor_sync(0xffffffffu, v, off);
-      v = is_max ? fmaxf(v, o) : v + o;
-    }
-    __syncthreads();   // red_s is free
-    if (tid % 32 == 0) red_s[tid / 32] = v;
-    __syncthreads();
-    v = red_s[0];
-#pragma unroll
-    for (int w = 1; w < NUM_WARPS; ++w) v = is_max ? fmaxf(v, red_s[w]) : v + red_s[w];
-    return v;
-  };
-
+  // ---- each group: running (max, sum, acc) over partitions group, group + GROUPS, ... ------
+  float m = neg_inf(), sum = 0.f;
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-  float lse = neg_inf();
-  if (num_parts == 1) {
-    if (d < HEAD_SIZE) acc = *reinterpret_cast<const float4*>(out_row);
-    lse = lse_row[0];
-  } else if (num_parts > 1) {   // uniform across the block: the barriers below are safe
-    float m = neg_inf();
-    for (int i = tid; i < num_parts; i += NUM_THREADS) m = fmaxf(m, lse_row[i]);
-    m = block_reduce(m, true);
-    float wsum = 0.f;
-    for (int i = tid; i < num_parts; i += NUM_THREADS) wsum += __expf(lse_row[i] - m);
-    wsum = block_reduce(wsum, false);
-    if (d < HEAD_SIZE) {
-#pragma unroll 4
-      for (int i = group; i < num_parts; i += GROUPS) {
-        const float w = __expf(lse_row[i] - m);
-        const float4 o = *reinterpret_cast<const float4*>(out_row + (long long)i * HEAD_SIZE);
-        acc.x = fmaf(w, o.x, acc.x); acc.y = fmaf(w, o.y, acc.y);
-        acc.z = fmaf(w, o.z, acc.z); acc.w = fmaf(w, o.w, acc.w);
-      }
-    }
-    if (GROUPS > 1) {
-      acc_s[group][tid % DIM_THREADS] = acc;
-      __syncthreads();
-      acc = acc_s[0][tid % DIM_THREADS];
+  for (int first = group; first < num_parts; first += GROUPS * CHUNK) {
+    // Every load of the chunk before any use, unconditional so that the compiler issues them
+    // together (predicated, it interleaved them with the math two at a time): slots past the
+    // last partition re-read a valid one and get weight 0 through lse = -inf.
+    float l[CHUNK];
+    float4 o[CHUNK];
 #pragma unroll
-      for (int k = 1; k < GROUPS; ++k) {
-        const float4 o = acc_s[k][tid % DIM_THREADS];
-        acc.x += o.x; acc.y += o.y; acc.z += o.z; acc.w += o.w;
-      }
+    for (int c = 0; c < CHUNK; ++c) {
+      const int i = min(first + c * GROUPS, num_parts - 1);
+      l[c] = lse_row[i];
+      o[c] = *reinterpret_cast<const float4*>(out_row + (long long)i * HEAD_SIZE);
     }
-    const float inv = 1.f / wsum;
-    acc.x *= inv; acc.y *= inv; acc.z *= inv; acc.w *= inv;
-    lse = m + __logf(wsum);
+#pragma unroll
+    for (int c = 0; c < CHUNK; ++c)
+      if (first + c * GROUPS >= num_parts) l[c] = neg_inf();
+    float new_m = m;
+#pragma unroll
+    for (int c = 0; c < CHUNK; ++c) new_m = fmaxf(new_m, l[c]);
+    const float base = new_m == neg_inf() ? 0.f : new_m;   // no -inf - -inf
+    const float alpha = __expf(m - base);
+    sum *= alpha;
+    acc.x *= alpha; acc.y *= alpha; acc.z *= alpha; acc.w *= alpha;
+#pragma unroll
+    for (int c = 0; c < CHUNK; ++c) {
+      const float w = __expf(l[c] - base);
+      sum += w;
+      acc.x = fmaf(w, o[c].x, acc.x); acc.y = fmaf(w, o[c].y, acc.y);
+      acc.z = fmaf(w, o[c].z, acc.z); acc.w = fmaf(w, o[c].w, acc.w);
+    }
+    m = new_m;
   }
-  if (group == 0 && d < HEAD_SIZE) {
+
+  // ---- merge the groups (each group's threads hold the same max and sum) ------------------
+  if (GROUPS > 1) {
+    acc_s[group][dt] = acc;
+    if (dt == 0) { max_s[group] = m; sum_s[group] = sum; }
+    __syncthreads();
+    if (group != 0) return;
+    m = max_s[0];
+#pragma unroll
+    for (int k = 1; k < GROUPS; ++k) m = fmaxf(m, max_s[k]);
+    const float base = m == neg_inf() ? 0.f : m;
+    sum = 0.f;
+    acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int k = 0; k < GROUPS; ++k) {
+      const float w = __expf(max_s[k] - base);
+      const float4 a = acc_s[k][dt];
+      sum = fmaf(w, sum_s[k], sum);
+      acc.x = fmaf(w, a.x, acc.x); acc.y = fmaf(w, a.y, acc.y);
+      acc.z = fmaf(w, a.z, acc.z); acc.w = fmaf(w, a.w, acc.w);
+    }
+  }
+  const float inv = sum > 0.f ? 1.f / sum : 0.f;
+  if (has_dims) {
     T* o = static_cast<T*>(const_cast<void*>(p.out)) + seq * p.out_stride_seq + head * p.out_stride_head + d;
-    o[0] = from_float<T>(acc.x); o[1] = from_float<T>(acc.y);
-    o[2] = from_float<T>(acc.z); o[3] = from_float<T>(acc.w);
+    o[0] = from_float<T>(acc.x * inv); o[1] = from_float<T>(acc.y * inv);
+    o[2] = from_float<T>(acc.z * inv); o[3] = from_float<T>(acc.w * inv);
   }
   if (tid == 0 && p.lse != nullptr)
-    static_cast<float*>(const_cast<void*>(p.lse))[head * p.lse_stride_head + seq * p.lse_stride_seq] = lse;
+    static_cast<float*>(const_cast<void*>(p.lse))[head * p.lse_stride_head + seq * p.lse_stride_seq] =
+        sum > 0.f ? m + __logf(sum) : neg_inf();
 }
 
 }  // namespace cuattn

@@ -51,8 +51,9 @@ __device__ __forceinline__ u32 v_chunk_offset(int dim, int chunk) {
 
 // Grid: (num_heads / GROUP, num_seqs, 1 (v1) or max_parts (v2)), block: (32 * NUM_WARPS),
 // dynamic shared memory: PagedMmaTraits::SMEM_BYTES.
+// EVICT_FIRST (a tuning knob): K/V copies carry an L2 evict-first policy; they are read once.
 template <typename T, int HEAD_SIZE, int BLOCK_SIZE, int GROUP, int PARTITION_SIZE, bool ALIBI,
-          int NUM_WARPS, int STAGES, int TILE, bool P_SPLIT>
+          int NUM_WARPS, int STAGES, int TILE, bool P_SPLIT, bool EVICT_FIRST>
 __device__ void paged_attention_mma_kernel(const PagedParams& p) {
   using Tr = PagedMmaTraits<HEAD_SIZE, TILE, NUM_WARPS, STAGES>;
   constexpr bool V2 = PARTITION_SIZE > 0;
@@ -130,6 +131,7 @@ __device__ void paged_attention_mma_kernel(const PagedParams& p) {
     return r;
   };
   TileSrc next = lookup(0);
+  const unsigned long long policy = EVICT_FIRST ? l2_evict_first_policy() : 0ull;
   auto issue = [&](int n) {
     if (n < my_tiles) {
       const u32 k_dst = ring_addr + (n % STAGES) * 2 * Tr::TILE_BYTES;
@@ -143,13 +145,17 @@ __device__ void paged_attention_mma_kernel(const PagedParams& p) {
                             : v_base;
       // V: zero-fill the tokens past the range, so that P = 0 never meets a NaN.
       const int v_bytes = v_ok ? 2 * min(8, end_tok - next.v_tok) : 0;
+      auto copy = [&](u32 dst, const T* src, int bytes) {
+        if (EVICT_FIRST) cp_async_16(dst, src, bytes, policy);
+        else cp_async_16(dst, src, bytes);
+      };
 #pragma unroll
       for (int j = 0; j < CPL; ++j) {
         const int i = lane + 32 * j;
-        cp_async_16(k_dst + i * 16, k_src + (k_ok ? (i / TILE) * p.k_stride_x : 0), k_ok ? 16 : 0);
+        copy(k_dst + i * 16, k_src + (k_ok ? (i / TILE) * p.k_stride_x : 0), k_ok ? 16 : 0);
         const int d = i / VCH;
-        cp_async_16(v_dst + v_chunk_offset<VCH>(d, v_col), v_src + (v_ok ? d * p.v_stride_dim : 0),
-                    v_bytes);
+        copy(v_dst + v_chunk_offset<VCH>(d, v_col), v_src + (v_ok ? d * p.v_stride_dim : 0),
+             v_bytes);
       }
       next = lookup(n + 1);   // overlaps the math of this step
     }

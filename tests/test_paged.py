@@ -115,9 +115,9 @@ def test_variant_names_and_keys():
 
 
 # Ring shapes bench/lab/decode_sweep.py times for the tensor-core form (num_warps, stages,
-# tile, p_split); the first is the default.
+# tile, p_split, evict_first); the first is the default.
 MMA_KNOBS = [dict(), dict(stages=4), dict(stages=2), dict(tile=32, stages=2), dict(num_warps=8),
-             dict(num_warps=2, stages=4), dict(p_split=0)]
+             dict(num_warps=2, stages=4), dict(p_split=0), dict(evict_first=0)]
 
 
 def test_mma_variant_names_and_rule():
@@ -125,7 +125,8 @@ def test_mma_variant_names_and_rule():
     v = PagedMmaVariant("bf16", 128, 16, 4, 512, False)
     t = tuning.paged_mma_tiles(128)
     assert v.name == (f"cuattn_paged_mma__bf16_hd128_bs16_g4_p512_a0_w{t.num_warps}"
-                      f"_st{t.stages}_tile{t.tile}" + ("_psplit" if t.p_split else ""))
+                      f"_st{t.stages}_tile{t.tile}" + ("_psplit" if t.p_split else "")
+                      + ("_ef" if t.evict_first else ""))
     assert v.dynamic_smem_bytes == t.num_warps * t.stages * 2 * t.tile * 128 * 2
     # where the tensor-core form runs: 16-bit caches, head size % 16, group >= the minimum
     g = tuning.PAGED_MMA_MIN_GROUP
@@ -190,8 +191,10 @@ def test_params_fast_packing_matches_pack():
     ParamsStruct.pack."""
     from cuattn import paged
     rng = np.random.default_rng(1)
-    for ps, n_ptr, pk in ((paged.PARAMS, 10, paged._PTR), (paged.REDUCE_PARAMS, 5, paged._RPTR),
-                          (paged.RESHAPE_PARAMS, 5, paged._RS_PTR)):
+    for ps, pk in ((paged.PARAMS, paged._PTR), (paged.REDUCE_PARAMS, paged._RPTR),
+                   (paged.RESHAPE_PARAMS, paged._RS_PTR)):
+        n_ptr = pk.size // 8
+        assert sum(k == "ptr" for _, k in ps.fields) == n_ptr
         kinds = dict(ps.fields)
         vals = {n: (int(rng.integers(1, 2**62)) if k in ("ptr", "i64") else
                     int(rng.integers(-2**30, 2**30)) if k == "i32" else float(rng.random()))

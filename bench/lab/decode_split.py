@@ -1,7 +1,8 @@
 """Lab: where v2 decode time goes at batch 1 -- the main kernel alone, the partition reduce
-alone, and the whole call, per partition size (L2 flushed, CUDA-graph replays).
+alone, and the whole call (paged_attention), per partition size (L2 flushed, CUDA-graph
+replays).
 
-python bench/lab/decode_split.py
+python bench/lab/decode_split.py [--flush clean|dirty]   (default clean; see harness.L2Flush)
 bf16, 32 query heads, head 128, block 16, batch 1 x 32768, 8 and 32 KV heads.
 """
 from __future__ import annotations
@@ -24,6 +25,7 @@ CTX, HEADS, HS, BS = 32768, 32, 128, 16
 
 
 def main():
+    flush = sys.argv[sys.argv.index("--flush") + 1] if "--flush" in sys.argv else "clean"
     ceil = measure_ceilings(quick=True)
     rng = np.random.default_rng(0)
     rows = []
@@ -40,13 +42,16 @@ def main():
         mb = CTX * kvh * HS * 2 * 2 / 1e6
         for ps in (256, 512, 1024):
             paged._plans.clear()
-            cuattn.paged_attention(q, k, v, bt, sl, version="v2", partition_size=ps, out=out)
+
+            def call():
+                cuattn.paged_attention(q, k, v, bt, sl, version="v2", partition_size=ps, out=out)
+            call()
             plan = next(iter(paged._plans.values()))
             scratch = cupy.cuda.alloc(plan.tmp_bytes)
             tmp_out, tmp_lse = scratch.ptr, scratch.ptr + plan.tmp_out_bytes
-            params = np.frombuffer(paged._PTR.pack(0, 0, tmp_out, tmp_lse, q.data.ptr, k.data.ptr,
-                                                   v.data.ptr, bt.data.ptr, sl.data.ptr, 0)
-                                   + plan.tail, paged.PARAMS.dtype)[0]
+            params = np.frombuffer(
+                paged._PTR.pack(0, 0, tmp_out, tmp_lse, q.data.ptr, k.data.ptr, v.data.ptr,
+                                bt.data.ptr, sl.data.ptr, 0) + plan.tail, paged.PARAMS.dtype)[0]
             rparams = np.frombuffer(paged._RPTR.pack(out.data.ptr, 0, tmp_out, tmp_lse,
                                                      sl.data.ptr) + plan.rtail,
                                     paged.REDUCE_PARAMS.dtype)[0]
@@ -58,20 +63,18 @@ def main():
             def reduce_only():
                 plan.reduce(plan.rgrid, plan.rblock, (rparams,),
                             stream=cupy.cuda.get_current_stream())
-
-            def both():
-                main_only()
-                reduce_only()
-            t = {name: 1e3 * median_ms(fn, n_warmup=5, n_repeat=30, flush_l2=True, graph=1)
-                 for name, fn in (("main", main_only), ("reduce", reduce_only), ("both", both))}
+            t = {name: 1e3 * median_ms(fn, n_warmup=5, n_repeat=30, flush_l2=flush, graph=1)
+                 for name, fn in (("main", main_only), ("reduce", reduce_only), ("call", call))}
             rows.append({"kv heads": kvh, "partition": ps, "blocks": int(np.prod(plan.grid)),
-                         "main us": t["main"], "reduce us": t["reduce"], "both us": t["both"],
+                         "main us": t["main"], "reduce us": t["reduce"], "call us": t["call"],
                          "floor us": mb / ceil.read_gbps * 1e3,
-                         "% read BW (both)": 100 * mb / ceil.read_gbps * 1e3 / t["both"]})
+                         "% read BW (call)": 100 * mb / ceil.read_gbps * 1e3 / t["call"]})
+            del scratch
+        paged._plans.clear()
         del k, v
         cupy.get_default_memory_pool().free_all_blocks()
     print(format_table([ceil.row()], "ceilings"))
-    print(format_table(rows, "batch 1 x 32768, v2: main kernel / reduce / both"))
+    print(format_table(rows, f"batch 1 x 32768, v2: main kernel / reduce / whole call ({flush} L2)"))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Lab: sweep the paged_attention knobs on the decode configurations that miss their targets.
 
-python bench/lab/decode_sweep.py [--repeat 20] [--knobs LABEL ...]
+python bench/lab/decode_sweep.py [--repeat 20] [--knobs LABEL ...] [--flush clean|dirty]
 
 bf16, 32 query heads, head 128, block 16 (the decode suite's shapes). For each configuration
 it times every candidate (version x partition_size x the form -- CUDA-core PagedVariant or
@@ -48,8 +48,8 @@ CONFIGS = [
 # The first (the CUDA-core form as shipped in round 2, which passed the GPU tests) is the
 # reference every other output is checked against. Round 2's CUDA-core knob sweep (pipeline,
 # min_blocks, threads) is in bench/NOTES.md; its winner is the shipped default below.
-# Tensor-core knobs: PagedMmaVariant's num_warps / stages / tile / p_split (tests/test_paged.py
-# MMA_KNOBS, which compiles and checks each).
+# Tensor-core knobs: PagedMmaVariant's num_warps / stages / tile / p_split / evict_first
+# (tests/test_paged.py MMA_KNOBS, which compiles and checks each).
 KNOBS = [
     ("cuda-core t128", None, {}),
     ("mma w4 st3 t16", {}, {}),
@@ -59,6 +59,7 @@ KNOBS = [
     ("mma w8", dict(num_warps=8), {}),
     ("mma w2 st4", dict(num_warps=2, stages=4), {}),
     ("mma no p-split", dict(p_split=0), {}),
+    ("mma no evict-first", dict(evict_first=0), {}),
 ]
 # (version, partition_size); v1 only where the whole context is short.
 VERSIONS = [("v1", 512), ("v2", 256), ("v2", 512), ("v2", 1024)]
@@ -136,6 +137,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeat", type=int, default=20)
     ap.add_argument("--knobs", nargs="*", help="labels of the candidates to time (default: all)")
+    ap.add_argument("--flush", default="clean", choices=("clean", "dirty"),
+                    help="L2 state before each rep (bench.harness.L2Flush)")
     args = ap.parse_args()
     knobs = [k for k in KNOBS if not args.knobs or k[0] in args.knobs]
     t_start = time.time()
@@ -144,6 +147,7 @@ def main():
     sms = dev.attributes["MultiProcessorCount"]
     ceil = measure_ceilings(quick=True)
     print(format_table([ceil.row()], "ceilings"))
+    print(f"L2 flush before each rep: {args.flush}")
     print(f"defaults: PAGED_PIPELINE={tuning.PAGED_PIPELINE}, PAGED_NUM_THREADS="
           f"{tuning.PAGED_NUM_THREADS}, SMs={sms}\n")
     _precompile([v for kvh in sorted({c[0] for c in CONFIGS})
@@ -179,8 +183,8 @@ def main():
                         err = float(np.abs(out.get().astype(np.float32) - ref).max())
                         if not err <= 2e-3 + 1e-2 * float(np.abs(ref).max()):
                             raise AssertionError(f"max |out - default| = {err:.3g}")
-                        ms = median_ms(call, n_warmup=3, n_repeat=args.repeat, flush_l2=True,
-                                       graph=1)
+                        ms = median_ms(call, n_warmup=3, n_repeat=args.repeat,
+                                       flush_l2=args.flush, graph=1)
                         gbps = kv_bytes / ms / 1e6
                         pct = 100.0 * gbps / ceil.read_gbps
                         row.update({"regs": _regs(kvh, mma, classic, ver, ps), "us": ms * 1e3,

@@ -103,6 +103,19 @@ __device__ __forceinline__ void cp_async_16(u32 dst, const void* src, int src_by
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
                :: "r"(dst), "l"(src), "r"(src_bytes));
 }
+// The same with an L2 cache policy (from l2_evict_first_policy): for data read exactly once,
+// such as a KV cache in decode, so that its lines are the first to go and neither evict
+// lines the next kernels want nor wait on dirty lines being written back.
+__device__ __forceinline__ void cp_async_16(u32 dst, const void* src, int src_bytes,
+                                            unsigned long long policy) {
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n"
+               :: "r"(dst), "l"(src), "r"(src_bytes), "l"(policy));
+}
+__device__ __forceinline__ unsigned long long l2_evict_first_policy() {
+  unsigned long long policy;
+  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+  return policy;
+}
 __device__ __forceinline__ void cp_async_commit() {
   asm volatile("cp.async.commit_group;\n" ::);
 }
