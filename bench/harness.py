@@ -69,19 +69,6 @@ def _graph_median_ms(fn, calls, n_warmup, n_repeat, flush_l2) -> float:
     return float(statistics.median(times))
 
 
-_FLUSH_READ_KERNEL = r"""
-extern "C" __global__ void flush_read(const uint4* x, long long n, unsigned* out) {
-  unsigned acc = 0;    // plain loads: every line is allocated in L2 at normal priority
-  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
-       i += (long long)gridDim.x * blockDim.x) {
-    uint4 v = x[i];
-    acc ^= v.x ^ v.y ^ v.z ^ v.w;
-  }
-  if (acc == 0x12345678u) out[0] = acc;
-}
-"""
-
-
 class L2Flush:
     """Evicts the timed function's data from L2 by streaming a 256 MB buffer through it.
 
@@ -101,16 +88,13 @@ class L2Flush:
             raise ValueError(f"flush_l2: expected True, 'clean' or 'dirty', got {mode!r}")
         self.mode = mode
         self.buf = cupy.zeros(L2_FLUSH_BYTES, dtype=np.uint8)
-        self._read = cupy.RawKernel(_FLUSH_READ_KERNEL, "flush_read")
-        self._sink = cupy.zeros(1, dtype=np.uint32)
-        self._sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
+        self._read = ReadPass(streaming=False)   # plain loads: every line allocated in L2
 
     def __call__(self, i: int = 0) -> None:
         if self.mode == "dirty":
             self.buf.fill(i & 0xFF)
         else:
-            self._read((self._sms * 4,), (512,), (self.buf, np.int64(L2_FLUSH_BYTES // 16),
-                                                  self._sink))
+            self._read(self.buf, L2_FLUSH_BYTES)
 
 
 def host_us_per_call(fn, *, n: int = 300) -> float:
@@ -140,11 +124,11 @@ class Ceilings:
 
 
 _READ_KERNEL = r"""
-extern "C" __global__ void read_sum(const uint4* __restrict__ x, long long n, unsigned* out) {
+extern "C" __global__ void read_pass(const uint4* %(qual)s x, long long n, unsigned* out) {
   unsigned acc = 0;
   for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
        i += (long long)gridDim.x * blockDim.x) {
-    uint4 v = __ldcs(x + i);
+    uint4 v = %(load)s;
     acc ^= v.x ^ v.y ^ v.z ^ v.w;
   }
   if (acc == 0x12345678u) out[0] = acc;   // keeps the loads alive
@@ -152,18 +136,34 @@ extern "C" __global__ void read_sum(const uint4* __restrict__ x, long long n, un
 """
 
 
+class ReadPass:
+    """Reads a device buffer once, 16 bytes per load, 4 blocks of 512 threads per SM.
+
+    ``streaming=True``: ``__ldcs`` (evict-first) loads, the read-ceiling kernel;
+    ``streaming=False``: plain loads, which allocate every line in L2 (L2Flush).
+    """
+
+    def __init__(self, streaming: bool = True):
+        src = _READ_KERNEL % ({"qual": "__restrict__", "load": "__ldcs(x + i)"} if streaming
+                              else {"qual": "", "load": "x[i]"})
+        self._kernel = cupy.RawKernel(src, "read_pass")
+        self._sink = cupy.zeros(1, dtype=np.uint32)
+        self._grid = (cupy.cuda.Device().attributes["MultiProcessorCount"] * 4,)
+
+    def __call__(self, buf: cupy.ndarray, nbytes: int) -> None:
+        """Read the first nbytes (rounded down to 16) of buf, on the current stream."""
+        self._kernel(self._grid, (512,), (buf, np.int64(nbytes // 16), self._sink),
+                     stream=cupy.cuda.get_current_stream())
+
+
 def plain_read_ms(nbytes: int, *, flush_l2: bool | str = "clean") -> float:
     """The read-ceiling kernel over a contiguous buffer of ``nbytes`` (rounded down to 16),
     timed like a decode call (CUDA-graph replays, L2 flushed): what reading that many bytes
     costs at that size, launch ramp-up and tail included."""
-    read = cupy.RawKernel(_READ_KERNEL, "read_sum")
-    sink = cupy.zeros(1, dtype=np.uint32)
-    sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
+    read = ReadPass()
     buf = cupy.ones(nbytes // 16 * 2, dtype=np.uint64)
-    n16 = np.int64(nbytes // 16)
-    return median_ms(lambda: read((sms * 4,), (512,), (buf, n16, sink),
-                                  stream=cupy.cuda.get_current_stream()),
-                     n_warmup=5, n_repeat=30, flush_l2=flush_l2, graph=1)
+    return median_ms(lambda: read(buf, nbytes), n_warmup=5, n_repeat=30, flush_l2=flush_l2,
+                     graph=1)
 
 
 def measure_ceilings(quick: bool = False) -> Ceilings:
@@ -174,11 +174,8 @@ def measure_ceilings(quick: bool = False) -> Ceilings:
     t = median_ms(lambda: cupy.copyto(dst, src), n_repeat=20)
     copy_gbps = 2 * nbytes / t / 1e6
 
-    read = cupy.RawKernel(_READ_KERNEL, "read_sum")
-    out = cupy.zeros(1, dtype=np.uint32)
-    sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
-    n16 = nbytes // 16
-    t = median_ms(lambda: read((sms * 4,), (512,), (src, np.int64(n16), out)), n_repeat=20)
+    read = ReadPass()
+    t = median_ms(lambda: read(src, nbytes), n_repeat=20)
     read_gbps = nbytes / t / 1e6
     del src, dst
 
