@@ -1,6 +1,9 @@
 """cuattn: attention kernels for CuPy, compiled at run time with NVRTC.
 
-Public API (DESIGN.md section 1): merge_attn_states, merge_states.
+Public API (README.md, docs/ARCHITECTURE.md): flash_forward, flash_varlen_forward
+(FlashAttention-2 forward), paged_attention, reshape_and_cache, paged_kv_cache_shapes
+(decode over a vLLM-style paged KV cache), merge_attn_states, merge_states (combine partial
+attentions by their log-sum-exp).
 """
 from __future__ import annotations
 

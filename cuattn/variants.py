@@ -1,40 +1,332 @@
-"""The variants the library ships: what ``python -m cuattn precompile`` builds by default.
+"""The variant keys of every kernel and their parameter structs: the Python mirror of cuda_src/.
 
-One entry per op; each op's module owns its list (dtypes x tuned sizes x the flags that
-change code). Anything outside these lists compiles on first use.
+Each key is pure data (cuattn.jit.Variant): the values of one C++ traits type, which the
+generated entry point instantiates; ``cuattn.tuning`` is what chooses them. Each params
+struct mirrors a header under cuda_src/params/. ``shipped(ops)`` is the set
+``python -m cuattn precompile`` builds by default.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from dataclasses import dataclass
+from typing import ClassVar
 
-from .jit import Variant
+from ._dtypes import BY_SHORT
+from .jit import ParamsStruct, Variant
+
+# ---- params structs (cuda_src/params/*.cuh) ---------------------------------------------------
+
+FLASH_PARAMS = ParamsStruct("FlashFwdParams", [
+    ("q", "ptr"), ("k", "ptr"), ("v", "ptr"), ("out", "out"), ("lse", "out"),
+    ("oaccum", "out"), ("lseaccum", "out"), ("cu_seqlens_q", "ptr"), ("cu_seqlens_k", "ptr"),
+    ("q_stride_batch", "i64"), ("q_stride_row", "i64"), ("q_stride_head", "i64"),
+    ("k_stride_batch", "i64"), ("k_stride_row", "i64"), ("k_stride_head", "i64"),
+    ("v_stride_batch", "i64"), ("v_stride_row", "i64"), ("v_stride_head", "i64"),
+    ("o_stride_batch", "i64"), ("o_stride_row", "i64"), ("o_stride_head", "i64"),
+    ("lse_stride_batch", "i64"), ("lse_stride_head", "i64"), ("lse_stride_row", "i64"),
+    ("batch", "i32"), ("num_heads", "i32"), ("head_group", "i32"), ("seqlen_q", "i32"),
+    ("seqlen_k", "i32"), ("total_q", "i32"), ("head_dim", "i32"), ("window_left", "i32"),
+    ("window_right", "i32"), ("num_splits", "i32"),
+    ("scale_log2", "f32"),
+])
+
+MERGE_PARAMS = ParamsStruct("MergeParams", [
+    ("out", "out"), ("out_lse", "out"),
+    ("a_out", "ptr"), ("a_lse", "ptr"), ("b_out", "ptr"), ("b_lse", "ptr"),
+    ("out_stride_token", "i64"), ("out_stride_head", "i64"),
+    ("lse_stride_head", "i64"), ("lse_stride_token", "i64"),
+    ("a_stride_token", "i64"), ("a_stride_head", "i64"),
+    ("a_lse_stride_head", "i64"), ("a_lse_stride_token", "i64"),
+    ("b_stride_token", "i64"), ("b_stride_head", "i64"),
+    ("b_lse_stride_head", "i64"), ("b_lse_stride_token", "i64"),
+    ("state_stride", "i64"), ("lse_state_stride", "i64"),
+    ("num_states", "i32"), ("num_tokens", "i32"), ("num_heads", "i32"),
+])
+
+PAGED_PARAMS = ParamsStruct("PagedParams", [
+    ("out", "out"), ("lse", "out"), ("tmp_out", "out"), ("tmp_lse", "out"), ("q", "ptr"),
+    ("k_cache", "ptr"), ("v_cache", "ptr"), ("block_tables", "ptr"), ("seq_lens", "ptr"),
+    ("alibi_slopes", "ptr"),
+    ("q_stride_seq", "i64"), ("q_stride_head", "i64"),
+    ("out_stride_seq", "i64"), ("out_stride_head", "i64"),
+    ("lse_stride_head", "i64"), ("lse_stride_seq", "i64"),
+    ("k_stride_block", "i64"), ("k_stride_head", "i64"), ("k_stride_x", "i64"),
+    ("k_stride_token", "i64"),
+    ("v_stride_block", "i64"), ("v_stride_head", "i64"), ("v_stride_dim", "i64"),
+    ("bt_stride_seq", "i64"),
+    ("scale_log2", "f32"), ("v_scale", "f32"),
+    ("num_seqs", "i32"), ("num_heads", "i32"), ("gqa_ratio", "i32"),
+    ("max_blocks_per_seq", "i32"), ("max_parts", "i32"), ("logits_stride", "i32"),
+])
+
+PAGED_REDUCE_PARAMS = ParamsStruct("PagedReduceParams", [
+    ("out", "out"), ("lse", "out"), ("tmp_out", "ptr"), ("tmp_lse", "ptr"), ("seq_lens", "ptr"),
+    ("out_stride_seq", "i64"), ("out_stride_head", "i64"),
+    ("lse_stride_head", "i64"), ("lse_stride_seq", "i64"),
+    ("num_heads", "i32"), ("max_parts", "i32"), ("partition_size", "i32"),
+    ("max_seq_len", "i32"),
+])
+
+RESHAPE_PARAMS = ParamsStruct("ReshapeCacheParams", [
+    ("key", "ptr"), ("value", "ptr"), ("k_cache", "out"), ("v_cache", "out"),
+    ("slot_mapping", "ptr"),
+    ("key_stride_token", "i64"), ("key_stride_head", "i64"),
+    ("value_stride_token", "i64"), ("value_stride_head", "i64"),
+    ("k_stride_block", "i64"), ("k_stride_head", "i64"), ("k_stride_x", "i64"),
+    ("k_stride_token", "i64"),
+    ("v_stride_block", "i64"), ("v_stride_head", "i64"), ("v_stride_dim", "i64"),
+    ("k_scale", "f32"), ("v_scale", "f32"),
+    ("num_tokens", "i32"), ("num_kv_heads", "i32"), ("head_size", "i32"), ("block_size", "i32"),
+])
+
+# Mask kinds of the flash kernel (cuda_src/common/mask.cuh kMask*).
+MASK_NONE, MASK_CAUSAL, MASK_WINDOW = 0, 1, 2
+_MASK_NAMES = {MASK_NONE: "c0", MASK_CAUSAL: "c1", MASK_WINDOW: "win"}
 
 
-def _flash() -> list[Variant]:
-    from .flash import shipped_variants
-    return shipped_variants()
+# ---- flash (cuda_src/flash_fwd.cuh) -------------------------------------------------------------
+
+@dataclass(frozen=True)
+class FlashFwdVariant(Variant):
+    dtype: str            # f16 / bf16
+    head_dim: int         # compiled head dim (a multiple of 32)
+    block_m: int
+    block_n: int
+    num_warps: int
+    stages: int
+    mask: int             # MASK_NONE / MASK_CAUSAL / MASK_WINDOW
+    split: bool           # write fp32 partials for the split-KV combine
+    q_smem: int           # FlashFwdTraits' knobs (cuda_src/flash_fwd.cuh, tuning.FlashTiles)
+    kv_split: bool
+    softmax: int
+
+    op: ClassVar[str] = "flash_fwd"
+    header: ClassVar[str] = "flash_fwd.cuh"
+    kernel: ClassVar[str] = "flash_fwd_kernel"
+    traits: ClassVar[str] = "FlashFwdTraits"
+    params: ClassVar[ParamsStruct] = FLASH_PARAMS
+    smem_from_traits: ClassVar[bool] = True
+
+    def __post_init__(self):
+        if self.mask not in _MASK_NAMES or self.softmax not in (0, 1, 2, 3) or \
+                self.q_smem not in (0, 1, 2):
+            raise ValueError(f"FlashFwdVariant: mask 0 to 2 (got {self.mask}), softmax 0 to 3 "
+                             f"(got {self.softmax}), q_smem 0 to 2 (got {self.q_smem})")
+
+    def name_parts(self):
+        parts = (self.dtype, f"hd{self.head_dim}", f"bm{self.block_m}", f"bn{self.block_n}",
+                 f"w{self.num_warps}", f"st{self.stages}", _MASK_NAMES[self.mask])
+        qs = {0: (), 1: ("qs",)}.get(self.q_smem, (f"qs{self.q_smem}",))
+        knobs = qs + (("kvs",) if self.kv_split else ()) + \
+            ((f"sm{self.softmax}",) if self.softmax else ())
+        return parts + knobs + (("split",) if self.split else ())
+
+    def traits_args(self):
+        return (BY_SHORT[self.dtype].cpp, self.head_dim, self.block_m, self.block_n,
+                self.num_warps, self.stages, self.mask, self.split, self.q_smem, self.kv_split,
+                self.softmax)
+
+    @property
+    def num_threads(self) -> int:
+        return 32 * self.num_warps
+
+    @property
+    def dynamic_smem_bytes(self) -> int:
+        # Q tile + STAGES x (K tile + V tile), 2-byte elements (pinned to Traits::SMEM_BYTES)
+        return 2 * self.head_dim * (self.block_m + 2 * self.stages * self.block_n)
 
 
-def _merge() -> list[Variant]:
-    from .merge import shipped_variants
-    return shipped_variants()
+@dataclass(frozen=True)
+class FlashCombineVariant(Variant):
+    dtype: str
+    head_dim: int         # compiled head dim (bounds the per-lane column passes)
+    threads: int
+
+    op: ClassVar[str] = "flash_combine"
+    header: ClassVar[str] = "flash_fwd.cuh"
+    kernel: ClassVar[str] = "flash_fwd_combine_kernel"
+    traits: ClassVar[str] = "FlashCombineTraits"
+    params: ClassVar[ParamsStruct] = FLASH_PARAMS
+
+    def name_parts(self):
+        return (self.dtype, f"hd{self.head_dim}", f"t{self.threads}")
+
+    def traits_args(self):
+        return (BY_SHORT[self.dtype].cpp, self.head_dim, self.threads)
 
 
-def _paged() -> list[Variant]:
-    from .paged import shipped_variants
-    return shipped_variants()
+# ---- merge (cuda_src/merge_attn_states.cuh) --------------------------------------------------------
+
+@dataclass(frozen=True)
+class MergeVariant(Variant):
+    dtype: str          # f16 / bf16
+    head_size: int
+    stacked: bool       # k states on a leading axis (merge_states) vs two arrays
+    threads: int
+
+    op: ClassVar[str] = "merge"
+    header: ClassVar[str] = "merge_attn_states.cuh"
+    kernel: ClassVar[str] = "merge_attn_states_kernel"
+    traits: ClassVar[str] = "MergeTraits"
+    params: ClassVar[ParamsStruct] = MERGE_PARAMS
+
+    def name_parts(self):
+        return (self.dtype, f"hd{self.head_size}", "stack" if self.stacked else "pair",
+                f"t{self.threads}")
+
+    def traits_args(self):
+        return (BY_SHORT[self.dtype].cpp, self.head_size, self.threads, self.stacked)
 
 
-SHIPPED: dict[str, Callable[[], list[Variant]]] = {
-    "flash": _flash,
-    "merge": _merge,
-    "paged": _paged,
-}
+# ---- paged decode (cuda_src/paged_attention*.cuh, paged_reduce.cuh, reshape_and_cache.cuh) ----
 
+@dataclass(frozen=True)
+class PagedSimtVariant(Variant):
+    """The CUDA-core form (cuda_src/paged_attention.cuh): fp8 caches, any head size."""
+    dtype: str            # q / out: f16 / bf16
+    cache_dtype: str      # f16 / bf16 (same as dtype) or e4m3
+    head_size: int
+    block_size: int
+    group: int            # query heads per thread block (divides the GQA ratio)
+    partition_size: int   # 0 = v1 (whole sequence), else v2's partition in tokens
+    alibi: bool
+    threads: int
+
+    op: ClassVar[str] = "paged"
+    header: ClassVar[str] = "paged_attention.cuh"
+    kernel: ClassVar[str] = "paged_attention_kernel"
+    traits: ClassVar[str] = "PagedSimtTraits"
+    params: ClassVar[ParamsStruct] = PAGED_PARAMS
+
+    def name_parts(self):
+        return (self.dtype, f"kv{self.cache_dtype}", f"hd{self.head_size}", f"bs{self.block_size}",
+                f"g{self.group}", f"p{self.partition_size}" if self.partition_size else "v1",
+                f"a{int(self.alibi)}", f"t{self.threads}")
+
+    def traits_args(self):
+        return (BY_SHORT[self.dtype].cpp, BY_SHORT[self.cache_dtype].cpp, self.head_size,
+                self.block_size, self.group, self.partition_size, self.alibi, self.threads)
+
+    @property
+    def min_blocks(self) -> int:
+        # With a minimum of blocks per SM ptxas keeps the 255-register cap of 128-thread
+        # blocks (the form as measured, bench/NOTES.md paged round 2); under the plain bound
+        # it squeezed the group-8 kernels from 167 to 96 registers (NVRTC 13.0, sm_90).
+        return 1
+
+    def logits_stride(self, max_context: int) -> int:
+        """Floats per head of the dynamic shared logits buffer (also holds the V slot sums)."""
+        tokens = self.partition_size or max_context
+        return max(-(-tokens // 4) * 4, self.threads)
+
+    def logits_bytes(self, max_context: int) -> int:
+        """The dynamic shared memory of a call whose sequences span up to max_context."""
+        return 4 * self.group * self.logits_stride(max_context)
+
+    @property
+    def dynamic_smem_bytes(self) -> int:
+        # v2: fixed by the partition; v1: per call (logits_bytes), its limit raised by the plan
+        return self.logits_bytes(0) if self.partition_size else 0
+
+
+@dataclass(frozen=True)
+class PagedMmaVariant(Variant):
+    """The tensor-core form (cuda_src/paged_attention_mma.cuh): 16-bit caches, head sizes
+    that are multiples of 16; same params, grid and outputs as PagedSimtVariant."""
+    dtype: str            # q / out / caches: f16 / bf16
+    head_size: int
+    block_size: int
+    group: int            # query heads per thread block (the N columns of the MMAs, <= 8)
+    partition_size: int   # 0 = v1 (whole sequence), else v2's partition in tokens
+    alibi: bool
+    num_warps: int        # the ring (tuning.PagedMmaTiles)
+    stages: int
+
+    op: ClassVar[str] = "paged_mma"
+    header: ClassVar[str] = "paged_attention_mma.cuh"
+    kernel: ClassVar[str] = "paged_attention_mma_kernel"
+    traits: ClassVar[str] = "PagedMmaTraits"
+    params: ClassVar[ParamsStruct] = PAGED_PARAMS
+    smem_from_traits: ClassVar[bool] = True
+    TILE: ClassVar[int] = 16      # tokens per warp step (PagedMmaTraits::TILE)
+
+    def name_parts(self):
+        return (self.dtype, f"hd{self.head_size}", f"bs{self.block_size}", f"g{self.group}",
+                f"p{self.partition_size}" if self.partition_size else "v1",
+                f"a{int(self.alibi)}", f"w{self.num_warps}", f"st{self.stages}")
+
+    def traits_args(self):
+        return (BY_SHORT[self.dtype].cpp, self.head_size, self.block_size, self.group,
+                self.partition_size, self.alibi, self.num_warps, self.stages)
+
+    @property
+    def num_threads(self) -> int:
+        return 32 * self.num_warps
+
+    @property
+    def min_blocks(self) -> int:
+        # Shared memory, not registers, bounds the blocks per SM (2 at hd128); under a plain
+        # __launch_bounds__(threads) ptxas capped some rings at 96 registers and spilled
+        # (NVRTC 12.x, sm_90, stages 4), while (threads, 1) leaves it 150-230 spill-free.
+        return 1
+
+    @property
+    def dynamic_smem_bytes(self) -> int:
+        # each warp's ring: stages x (K tile + V tile), 2-byte elements
+        return self.num_warps * self.stages * 2 * self.TILE * self.head_size * 2
+
+
+@dataclass(frozen=True)
+class PagedReduceVariant(Variant):
+    dtype: str
+    head_size: int
+    threads: int          # 4 dims per thread in whole warps, times thread groups
+
+    op: ClassVar[str] = "paged_reduce"
+    header: ClassVar[str] = "paged_reduce.cuh"
+    kernel: ClassVar[str] = "paged_attention_reduce_kernel"
+    traits: ClassVar[str] = "PagedReduceTraits"
+    params: ClassVar[ParamsStruct] = PAGED_REDUCE_PARAMS
+
+    def name_parts(self):
+        return (self.dtype, f"hd{self.head_size}", f"t{self.threads}")
+
+    def traits_args(self):
+        return (BY_SHORT[self.dtype].cpp, self.head_size, self.threads)
+
+
+@dataclass(frozen=True)
+class ReshapeCacheVariant(Variant):
+    dtype: str            # key / value
+    cache_dtype: str
+    slot64: bool          # slot_mapping int64 (else int32)
+    threads: int
+
+    op: ClassVar[str] = "reshape_and_cache"
+    header: ClassVar[str] = "reshape_and_cache.cuh"
+    kernel: ClassVar[str] = "reshape_and_cache_kernel"
+    traits: ClassVar[str] = "ReshapeCacheTraits"
+    params: ClassVar[ParamsStruct] = RESHAPE_PARAMS
+
+    def name_parts(self):
+        return (self.dtype, f"kv{self.cache_dtype}", "s64" if self.slot64 else "s32",
+                f"t{self.threads}")
+
+    def traits_args(self):
+        return (BY_SHORT[self.dtype].cpp, BY_SHORT[self.cache_dtype].cpp, self.slot64,
+                self.threads)
+
+
+# ---- the shipped set -------------------------------------------------------------------------------
 
 def shipped(ops: list[str] | None = None) -> list[Variant]:
-    ops = list(SHIPPED) if not ops else ops
-    unknown = [op for op in ops if op not in SHIPPED]
+    """What ``python -m cuattn precompile`` builds: every variant a default call with a
+    shipped size reaches (cuattn.tuning.SHIPPED has the lists), for any architecture."""
+    from . import tuning
+    ops = list(tuning.SHIPPED) if not ops else ops
+    unknown = [op for op in ops if op not in tuning.SHIPPED]
     if unknown:
-        raise ValueError(f"--ops: unknown op(s) {unknown}; known: {sorted(SHIPPED)}")
-    return [v for op in ops for v in SHIPPED[op]()]
+        raise ValueError(f"--ops: unknown op(s) {unknown}; known: {sorted(tuning.SHIPPED)}")
+    out: dict[Variant, None] = {}
+    for op in ops:
+        out.update(dict.fromkeys(tuning.SHIPPED[op]()))
+    return list(out)

@@ -5,27 +5,9 @@
 #pragma once
 #include "common/types.cuh"
 #include "common/softmax.cuh"
+#include "params/merge.cuh"
 
 namespace cuattn {
-
-// Mirrored by cuattn.merge.PARAMS (a static_assert in every entry point checks the layout).
-// Strides are in elements.
-struct MergeParams {
-  const void* out;       // [num_tokens, num_heads, HEAD_SIZE]     T, written
-  const void* out_lse;   // [num_heads, num_tokens]                float, written (may be null)
-  const void* a_out;     // [num_tokens, num_heads, HEAD_SIZE]     T: state 0 (stacked: all states)
-  const void* a_lse;     // [num_heads, num_tokens]                float
-  const void* b_out;     // [num_tokens, num_heads, HEAD_SIZE]     T: state 1 (pair form only)
-  const void* b_lse;     // [num_heads, num_tokens]                float
-  long long out_stride_token, out_stride_head;
-  long long lse_stride_head, lse_stride_token;          // of out_lse
-  long long a_stride_token, a_stride_head, a_lse_stride_head, a_lse_stride_token;
-  long long b_stride_token, b_stride_head, b_lse_stride_head, b_lse_stride_token;
-  long long state_stride, lse_state_stride;             // stacked form: state i = a + i * stride
-  int num_states;
-  int num_tokens;
-  int num_heads;
-};
 
 // Where state `i` of row (token, head) lives.
 template <bool STACKED>
@@ -47,14 +29,29 @@ __device__ __forceinline__ void locate_state(const MergeParams& p, int i, long l
   }
 }
 
+// The kernel's knobs: STACKED = k states on a leading axis (merge_states), else two arrays.
+template <typename T_, int HEAD_SIZE_, int NUM_THREADS_, bool STACKED_>
+struct MergeTraits {
+  using T = T_;
+  static constexpr int HEAD_SIZE = HEAD_SIZE_;
+  static constexpr int NUM_THREADS = NUM_THREADS_;
+  static constexpr bool STACKED = STACKED_;
+  static constexpr int VEC = ElemsPer16B<T>::value;
+  static constexpr int VECS_PER_ROW = HEAD_SIZE / VEC;
+  static_assert(HEAD_SIZE % VEC == 0, "head size must be a multiple of one 16-byte vector");
+};
+
 // Grid: (ceil(num_tokens * num_heads * HEAD_SIZE / 8 / NUM_THREADS)), block: (NUM_THREADS).
 // One thread merges one 16-byte vector (8 elements) of one (token, head) row, with the
-// head index varying fastest so that consecutive threads touch consecutive bytes.
-template <typename T, int HEAD_SIZE, int NUM_THREADS, bool STACKED>
+// head index varying fastest so that consecutive threads touch consecutive bytes. The
+// states' weights are SoftmaxState's in natural-log units (lse = max + log(sum)).
+template <typename Tr>
 __device__ void merge_attn_states_kernel(const MergeParams& p) {
-  constexpr int VEC = ElemsPer16B<T>::value;
-  constexpr int VECS_PER_ROW = HEAD_SIZE / VEC;
-  static_assert(HEAD_SIZE % VEC == 0, "head size must be a multiple of one 16-byte vector");
+  using T = typename Tr::T;
+  constexpr bool STACKED = Tr::STACKED;
+  constexpr int NUM_THREADS = Tr::NUM_THREADS;
+  constexpr int VEC = Tr::VEC;
+  constexpr int VECS_PER_ROW = Tr::VECS_PER_ROW;
 
   // 32-bit index math (the host guarantees num_tokens * num_heads * VECS_PER_ROW < 2^31).
   const unsigned idx = blockIdx.x * NUM_THREADS + threadIdx.x;
@@ -66,43 +63,42 @@ __device__ void merge_attn_states_kernel(const MergeParams& p) {
   const int num_states = STACKED ? p.num_states : 2;
 
   // Phase 1: the largest lse over the states (empty states count as -inf).
-  float max_lse = neg_inf();
+  SoftmaxState st = SoftmaxState::empty();
   for (int i = 0; i < num_states; ++i) {
     const char* src;
     float lse;
     locate_state<STACKED>(p, i, token, head, src, lse, sizeof(T));
-    max_lse = fmaxf(max_lse, empty_as_neg_inf(lse));
+    st.max = fmaxf(st.max, empty_as_neg_inf(lse));
   }
+  const float base = SoftmaxState::base(st.max, kLog2e);
 
   // Phase 2: weighted sum of the outputs.
   float acc[VEC];
 #pragma unroll
   for (int j = 0; j < VEC; ++j) acc[j] = 0.f;
-  float weight_sum = 0.f;
   for (int i = 0; i < num_states; ++i) {
     const char* src;
     float lse;
     locate_state<STACKED>(p, i, token, head, src, lse, sizeof(T));
-    const float w = exp_minus(empty_as_neg_inf(lse), max_lse);
+    const float w = SoftmaxState::weight(empty_as_neg_inf(lse), kLog2e, base);
     if (w == 0.f) continue;   // an empty state is never read: its output may be garbage
     float x[VEC];
     unpack16<T>(load16_stream(src + vec * 16), x);
 #pragma unroll
     for (int j = 0; j < VEC; ++j) acc[j] += w * x[j];
-    weight_sum += w;
+    st.sum += w;
   }
 
   // Phase 3: normalise and store; an all-empty row gives zeros and lse = -inf.
-  const float inv = weight_sum > 0.f ? 1.f / weight_sum : 0.f;
+  const float inv = st.inv_sum();
 #pragma unroll
   for (int j = 0; j < VEC; ++j) acc[j] *= inv;
-  char* dst = static_cast<char*>(const_cast<void*>(p.out)) +
+  char* dst = static_cast<char*>(p.out) +
               (token * p.out_stride_token + head * p.out_stride_head) * (long long)sizeof(T);
   store16_stream(dst + vec * 16, pack16<T>(acc));
   if (vec == 0 && p.out_lse != nullptr) {
-    float* out_lse = static_cast<float*>(const_cast<void*>(p.out_lse));
-    out_lse[head * p.lse_stride_head + token * p.lse_stride_token] =
-        weight_sum > 0.f ? max_lse + __logf(weight_sum) : neg_inf();
+    static_cast<float*>(p.out_lse)[head * p.lse_stride_head + token * p.lse_stride_token] =
+        st.lse(kLog2e);
   }
 }
 

@@ -1,8 +1,8 @@
 // Paged-attention decode on tensor cores, for 16-bit caches and head sizes that are multiples
 // of 16 (every GQA group: measured faster than the CUDA-core form even at group 1, see
-// cuattn.tuning.PAGED_MMA_MIN_GROUP). Same arguments, grid and outputs as
-// paged_attention_kernel (paged_attention.cuh), so v1, v2 and the partition reduce are
-// shared; only the inner loops differ, and v1 keeps no logits (no length limit).
+// cuattn.tuning.PAGED_MMA_MIN_GROUP). Same params, grid and outputs as the CUDA-core form
+// (paged_attention.cuh; the range and the epilogue are paged_common.cuh's, the v2 reduce is
+// paged_reduce.cuh); only the inner loops differ, and v1 keeps no logits (no length limit).
 //
 // Why: with GROUP query heads per KV head, the CUDA-core kernel does GROUP dot products per
 // K/V element it loads, and at GROUP 4 its instruction issue, not HBM, set the pace (76-85%
@@ -19,14 +19,32 @@
 // warps merge through shared memory at the end. No block-wide barrier in the main loop.
 #pragma once
 #include "common/mma.cuh"
-#include "paged_attention.cuh"
+#include "common/softmax.cuh"
+#include "common/logits.cuh"
+#include "paged_common.cuh"
 
 namespace cuattn {
 
-template <int HEAD_SIZE, int TILE, int NUM_WARPS, int STAGES>
+// Every knob of the tensor-core form (cuattn.variants.PagedMmaVariant) and every size derived
+// from them. A warp step is TILE = 16 tokens (one m16 tile; 32-token tiles lost 3-20 points
+// of read bandwidth at v2, bench/NOTES.md paged round 3).
+template <typename T_, int HEAD_SIZE_, int BLOCK_SIZE_, int GROUP_, int PARTITION_SIZE_,
+          bool ALIBI_, int NUM_WARPS_, int STAGES_>
 struct PagedMmaTraits {
+  using T = T_;
+  using Logits = typename AlibiOrNone<ALIBI_>::type;     // the logits hook
+  static constexpr int HEAD_SIZE = HEAD_SIZE_;
+  static constexpr int BLOCK_SIZE = BLOCK_SIZE_;
+  static constexpr int GROUP = GROUP_;                   // query heads: the N columns, <= 8
+  static constexpr int PARTITION_SIZE = PARTITION_SIZE_; // 0: v1
+  static constexpr bool V2 = PARTITION_SIZE > 0;
+  static constexpr int NUM_WARPS = NUM_WARPS_;
+  static constexpr int STAGES = STAGES_;                 // tiles in each warp's cp.async ring
+  static constexpr int TILE = 16;
   static_assert(HEAD_SIZE % 16 == 0, "k16 / m16 steps over the head dims");
-  static_assert(TILE == 16 || TILE == 32, "tokens per warp step: one or two m16 tiles");
+  static_assert(GROUP >= 1 && GROUP <= 8, "one n8 tile of query heads");
+  static_assert(!V2 || PARTITION_SIZE % TILE == 0, "partitions of whole tiles");
+  static_assert(BLOCK_SIZE % 8 == 0, "a V chunk (8 tokens) never crosses a cache block");
   static constexpr int MT = TILE / 16;                    // token m-tiles (S^T) = PV k-steps
   static constexpr int KS = HEAD_SIZE / 16;               // QK k-steps = PV dim m-tiles
   static constexpr int CHUNKS = HEAD_SIZE * TILE / 8;     // 16-byte chunks of K (and of V) per tile
@@ -50,21 +68,18 @@ __device__ __forceinline__ u32 v_chunk_offset(int dim, int chunk) {
 }
 
 // Grid: (num_heads / GROUP, num_seqs, 1 (v1) or max_parts (v2)), block: (32 * NUM_WARPS),
-// dynamic shared memory: PagedMmaTraits::SMEM_BYTES.
-// EVICT_FIRST (a tuning knob): K/V copies carry an L2 evict-first policy; they are read once.
-template <typename T, int HEAD_SIZE, int BLOCK_SIZE, int GROUP, int PARTITION_SIZE, bool ALIBI,
-          int NUM_WARPS, int STAGES, int TILE, bool P_SPLIT, bool EVICT_FIRST>
+// dynamic shared memory: Tr::SMEM_BYTES.
+// K/V copies carry an L2 evict-first policy: they are read once (measured: tuning.py).
+template <typename Tr>
 __device__ void paged_attention_mma_kernel(const PagedParams& p) {
-  using Tr = PagedMmaTraits<HEAD_SIZE, TILE, NUM_WARPS, STAGES>;
-  constexpr bool V2 = PARTITION_SIZE > 0;
+  using T = typename Tr::T;
+  constexpr int HEAD_SIZE = Tr::HEAD_SIZE, BLOCK_SIZE = Tr::BLOCK_SIZE, GROUP = Tr::GROUP;
+  constexpr int NUM_WARPS = Tr::NUM_WARPS, STAGES = Tr::STAGES, TILE = Tr::TILE;
+  constexpr bool V2 = Tr::V2;
   constexpr int MT = Tr::MT, KS = Tr::KS, VCH = Tr::VCH, CPL = Tr::CHUNKS_PER_LANE;
-  static_assert(GROUP >= 1 && GROUP <= 8, "one n8 tile of query heads");
-  static_assert(!V2 || PARTITION_SIZE % TILE == 0, "partitions of whole tiles");
-  static_assert(BLOCK_SIZE % 8 == 0, "a V chunk (8 tokens) never crosses a cache block");
 
   extern __shared__ __align__(16) unsigned char smem[];
-  __shared__ float m_s[NUM_WARPS][8];   // per warp: running max (log2 domain), per head
-  __shared__ float l_s[NUM_WARPS][8];   // per warp: sum of exp2(s - max)
+  __shared__ SoftmaxState state_s[NUM_WARPS][8];   // per warp and head: its row state
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;   // fragment row / column pair
@@ -73,11 +88,9 @@ __device__ void paged_attention_mma_kernel(const PagedParams& p) {
   const int head0 = blockIdx.x * GROUP;
   const int kv_head = head0 / p.gqa_ratio;
 
-  int seq_len = static_cast<const int*>(p.seq_lens)[seq];
-  seq_len = min(max(seq_len, 0), p.max_blocks_per_seq * BLOCK_SIZE);
-  const int start_tok = part * PARTITION_SIZE;
-  if (V2 && start_tok >= seq_len) return;     // the reduce kernel never reads this partition
-  const int end_tok = V2 ? min(seq_len, start_tok + PARTITION_SIZE) : seq_len;
+  const PagedRange range = paged_range<BLOCK_SIZE, Tr::PARTITION_SIZE>(p, seq, part);
+  if (V2 && range.start >= range.seq_len) return;   // the reduce never reads this partition
+  const int start_tok = range.start, end_tok = range.end;
   const int num_tiles = (end_tok - start_tok + TILE - 1) / TILE;
   const int my_tiles = num_tiles > warp ? (num_tiles - warp + NUM_WARPS - 1) / NUM_WARPS : 0;
   const int* block_table = static_cast<const int*>(p.block_tables) + seq * p.bt_stride_seq;
@@ -97,13 +110,14 @@ __device__ void paged_attention_mma_kernel(const PagedParams& p) {
       }
     }
   }
-  // This lane's two head columns (2t, 2t+1): ALiBi slopes in the log2 domain.
-  float slope[2] = {0.f, 0.f};
-  if (ALIBI) {
+  // The logits hooks of this lane's two head columns (2t, 2t+1); ALiBi slopes in log2 units.
+  using Logits = typename Tr::Logits;
+  Logits hook[2] = {Logits(0.f), Logits(0.f)};
+  if (Logits::ACTIVE) {
 #pragma unroll
     for (int j = 0; j < 2; ++j)
       if (2 * t + j < GROUP)
-        slope[j] = static_cast<const float*>(p.alibi_slopes)[head0 + 2 * t + j] * kLog2e;
+        hook[j] = Logits(static_cast<const float*>(p.alibi_slopes)[head0 + 2 * t + j] * kLog2e);
   }
 
   // ---- the warp's cp.async ring: tile n of this warp lands in stage n % STAGES ------------
@@ -131,7 +145,7 @@ __device__ void paged_attention_mma_kernel(const PagedParams& p) {
     return r;
   };
   TileSrc next = lookup(0);
-  const unsigned long long policy = EVICT_FIRST ? l2_evict_first_policy() : 0ull;
+  const unsigned long long policy = l2_evict_first_policy();
   auto issue = [&](int n) {
     if (n < my_tiles) {
       const u32 k_dst = ring_addr + (n % STAGES) * 2 * Tr::TILE_BYTES;
@@ -145,17 +159,14 @@ __device__ void paged_attention_mma_kernel(const PagedParams& p) {
                             : v_base;
       // V: zero-fill the tokens past the range, so that P = 0 never meets a NaN.
       const int v_bytes = v_ok ? 2 * min(8, end_tok - next.v_tok) : 0;
-      auto copy = [&](u32 dst, const T* src, int bytes) {
-        if (EVICT_FIRST) cp_async_16(dst, src, bytes, policy);
-        else cp_async_16(dst, src, bytes);
-      };
 #pragma unroll
       for (int j = 0; j < CPL; ++j) {
         const int i = lane + 32 * j;
-        copy(k_dst + i * 16, k_src + (k_ok ? (i / TILE) * p.k_stride_x : 0), k_ok ? 16 : 0);
+        cp_async_16(k_dst + i * 16, k_src + (k_ok ? (i / TILE) * p.k_stride_x : 0),
+                    k_ok ? 16 : 0, policy);
         const int d = i / VCH;
-        copy(v_dst + v_chunk_offset<VCH>(d, v_col), v_src + (v_ok ? d * p.v_stride_dim : 0),
-             v_bytes);
+        cp_async_16(v_dst + v_chunk_offset<VCH>(d, v_col),
+                    v_src + (v_ok ? d * p.v_stride_dim : 0), v_bytes, policy);
       }
       next = lookup(n + 1);   // overlaps the math of this step
     }
@@ -166,8 +177,9 @@ __device__ void paged_attention_mma_kernel(const PagedParams& p) {
   float o[KS][4];   // O^T: (dim 16 m + g, heads 2t..) and (dim 16 m + g + 8, heads 2t..)
 #pragma unroll
   for (int m = 0; m < KS; ++m) o[m][0] = o[m][1] = o[m][2] = o[m][3] = 0.f;
-  float row_max[2] = {neg_inf(), neg_inf()};   // per head column, the same on all 8 rows
-  float row_sum[2] = {0.f, 0.f};               // this lane's rows only (reduced at the end)
+  // Per head column (log2 units, scale 1): max the same on all 8 lanes of a column, sum
+  // this lane's rows only (added over the column at the end).
+  SoftmaxState row[2] = {SoftmaxState::empty(), SoftmaxState::empty()};
 
 #pragma unroll
   for (int n = 0; n < STAGES - 1; ++n) issue(n);
@@ -194,7 +206,7 @@ __device__ void paged_attention_mma_kernel(const PagedParams& p) {
         mma_m16n8k16<T>(s[mt], a, qb[ks][0], qb[ks][1]);
       }
     }
-    // Scale to the log2 domain, ALiBi, mask the tokens past the range; the tile max.
+    // Scale to log2 units, the logits hook, mask the tokens past the range; the tile max.
     float tile_max[2] = {neg_inf(), neg_inf()};
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
@@ -202,7 +214,7 @@ __device__ void paged_attention_mma_kernel(const PagedParams& p) {
       for (int r = 0; r < 4; ++r) {
         const int tok = t0 + 16 * mt + g + 8 * (r / 2);
         float x = s[mt][r] * p.scale_log2;
-        if (ALIBI) x += slope[r % 2] * float(tok - seq_len + 1);
+        if (Logits::ACTIVE) x = hook[r % 2](x, range.seq_len - 1, tok);
         x = tok < end_tok ? x : neg_inf();    // a select: a zero-filled K row stays out
         s[mt][r] = x;
         tile_max[r % 2] = fmaxf(tile_max[r % 2], x);
@@ -214,39 +226,35 @@ __device__ void paged_attention_mma_kernel(const PagedParams& p) {
 #pragma unroll
       for (int off = 4; off < 32; off *= 2)
         tile_max[j] = fmaxf(tile_max[j], __shfl_xor_sync(0xffffffffu, tile_max[j], off));
-      const float new_max = fmaxf(row_max[j], tile_max[j]);
-      base[j] = new_max == neg_inf() ? 0.f : new_max;   // no -inf - -inf while all is masked
-      alpha[j] = exp2f(row_max[j] - base[j]);
-      row_max[j] = new_max;
-      row_sum[j] *= alpha[j];
+      const float new_max = fmaxf(row[j].max, tile_max[j]);
+      base[j] = SoftmaxState::base(new_max, 1.f);
+      alpha[j] = row[j].rescale(new_max, 1.f, base[j]);
     }
 #pragma unroll
     for (int m = 0; m < KS; ++m) {
       o[m][0] *= alpha[0]; o[m][1] *= alpha[1];
       o[m][2] *= alpha[0]; o[m][3] *= alpha[1];
     }
-    // P = exp2(S - max), packed to T and transposed into the B operand of P V. P_SPLIT:
-    // P = hi + lo, two T each, so P V keeps ~16 mantissa bits (a bf16 P alone is off by up
-    // to 2^-9 relative, visible when a few tokens dominate); the tensor cores are far from
-    // busy here, so the second MMA is free while HBM sets the pace.
-    constexpr int NP = P_SPLIT ? 2 : 1;
+    // P = exp2(S - max), packed to T and transposed into the B operand of P V, as P = hi +
+    // lo, two T each, so that P V keeps ~16 mantissa bits (a bf16 P alone is off by up to
+    // 2^-9 relative, visible when a few tokens dominate); the tensor cores are far from busy
+    // here, so the second MMA is free while HBM sets the pace.
+    constexpr int NP = 2;
     u32 pb[MT][NP][2];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
       for (int r = 0; r < 4; ++r) {
-        s[mt][r] = exp2f(s[mt][r] - base[r % 2]);
-        row_sum[r % 2] += s[mt][r];
+        s[mt][r] = SoftmaxState::weight(s[mt][r], 1.f, base[r % 2]);
+        row[r % 2].sum += s[mt][r];
       }
 #pragma unroll
       for (int half = 0; half < 2; ++half) {   // tokens 0-7, 8-15 of the m-tile
         const u32 hi = pack_pair<T>(s[mt][2 * half], s[mt][2 * half + 1]);
+        const float2 h = unpack_pair<T>(hi);
         pb[mt][0][half] = movmatrix_trans(hi);
-        if (P_SPLIT) {
-          const float2 h = unpack_pair<T>(hi);
-          pb[mt][NP - 1][half] = movmatrix_trans(
-              pack_pair<T>(s[mt][2 * half] - h.x, s[mt][2 * half + 1] - h.y));
-        }
+        pb[mt][1][half] = movmatrix_trans(
+            pack_pair<T>(s[mt][2 * half] - h.x, s[mt][2 * half + 1] - h.y));
       }
     }
     // O^T += V^T P^T. ldmatrix x4: matrix q is (dims +8 (q & 1), token chunk +(q >> 1)).
@@ -263,62 +271,54 @@ __device__ void paged_attention_mma_kernel(const PagedParams& p) {
     }
   }
 
-  // ---- merge the warps: max, rescale, sum (the ring's shared memory is reused) ------------
+  // ---- merge the warps' states (the ring's shared memory is reused) -----------------------
+  // Two passes over the warps instead of a chain of merges: the block max first, then every
+  // warp's weight against it (SoftmaxState::weight, 0 for a warp that saw nothing).
   cp_async_wait<0>();
 #pragma unroll
   for (int j = 0; j < 2; ++j)
 #pragma unroll
-    for (int off = 4; off < 32; off *= 2) row_sum[j] += __shfl_xor_sync(0xffffffffu, row_sum[j], off);
+    for (int off = 4; off < 32; off *= 2) row[j].sum += __shfl_xor_sync(0xffffffffu, row[j].sum, off);
   __syncthreads();   // every warp is done with its ring
   if (g == 0) {
 #pragma unroll
-    for (int j = 0; j < 2; ++j) { m_s[warp][2 * t + j] = row_max[j]; l_s[warp][2 * t + j] = row_sum[j]; }
+    for (int j = 0; j < 2; ++j) state_s[warp][2 * t + j] = row[j];
   }
   __syncthreads();
+  auto block_max = [&](int h) {
+    float m = state_s[0][h].max;
+#pragma unroll
+    for (int w = 1; w < NUM_WARPS; ++w) m = fmaxf(m, state_s[w][h].max);
+    return m;
+  };
   float* merge = reinterpret_cast<float*>(smem);   // [NUM_WARPS][8][MERGE_ROW]
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
     const int h = 2 * t + j;
-    float block_max = m_s[0][h];
-#pragma unroll
-    for (int w = 1; w < NUM_WARPS; ++w) block_max = fmaxf(block_max, m_s[w][h]);
-    const float f = row_max[j] == neg_inf() ? 0.f : exp2f(row_max[j] - block_max);
-    float* row = merge + (warp * 8 + h) * Tr::MERGE_ROW;
+    const float f = SoftmaxState::weight(row[j].max, 1.f, SoftmaxState::base(block_max(h), 1.f));
+    float* out_row = merge + (warp * 8 + h) * Tr::MERGE_ROW;
 #pragma unroll
     for (int m = 0; m < KS; ++m) {
-      row[16 * m + g] = o[m][j] * f;
-      row[16 * m + g + 8] = o[m][2 + j] * f;
+      out_row[16 * m + g] = o[m][j] * f;
+      out_row[16 * m + g + 8] = o[m][2 + j] * f;
     }
   }
   __syncthreads();
 
   // ---- write: v1 the output and lse, v2 the normalised partial output and its lse ---------
-  const long long row0 = (long long)seq * p.num_heads + head0;   // v2 rows of tmp_*
+  const PagedOutput<T, HEAD_SIZE, V2> output{p, seq, head0, part};
   for (int i = threadIdx.x; i < GROUP * HEAD_SIZE; i += NUM_WARPS * 32) {
     const int h = i / HEAD_SIZE, d = i % HEAD_SIZE;
-    float block_max = m_s[0][h], sum = 0.f, acc = 0.f;
-#pragma unroll
-    for (int w = 1; w < NUM_WARPS; ++w) block_max = fmaxf(block_max, m_s[w][h]);
+    SoftmaxState block{block_max(h), 0.f};
+    const float b = SoftmaxState::base(block.max, 1.f);
+    float acc = 0.f;
 #pragma unroll
     for (int w = 0; w < NUM_WARPS; ++w) {
-      sum += m_s[w][h] == neg_inf() ? 0.f : l_s[w][h] * exp2f(m_s[w][h] - block_max);
+      block.sum = fmaf(state_s[w][h].sum, SoftmaxState::weight(state_s[w][h].max, 1.f, b), block.sum);
       acc += merge[(w * 8 + h) * Tr::MERGE_ROW + d];
     }
-    const float value = sum > 0.f ? acc / sum : 0.f;   // an empty sequence (v1) gives zeros
-    if (V2) {
-      static_cast<float*>(const_cast<void*>(p.tmp_out))[((row0 + h) * p.max_parts + part) * HEAD_SIZE + d] = value;
-    } else {
-      static_cast<T*>(const_cast<void*>(p.out))[seq * p.out_stride_seq + (head0 + h) * p.out_stride_head + d] =
-          from_float<T>(value);
-    }
-    if (d == 0) {
-      const float lse = sum > 0.f ? (block_max + __log2f(sum)) * kLn2 : neg_inf();   // natural log
-      if (V2) {
-        static_cast<float*>(const_cast<void*>(p.tmp_lse))[(row0 + h) * p.max_parts + part] = lse;
-      } else if (p.lse != nullptr) {
-        static_cast<float*>(const_cast<void*>(p.lse))[(head0 + h) * p.lse_stride_head + seq * p.lse_stride_seq] = lse;
-      }
-    }
+    output.store(h, d, acc * block.inv_sum());   // an empty sequence (v1) gives zeros
+    if (d == 0) output.store_lse(h, block.lse(1.f));
   }
 }
 

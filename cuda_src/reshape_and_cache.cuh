@@ -3,37 +3,35 @@
 // negative slots are skipped, fp8 e4m3 caches store round-to-nearest(value / scale).
 #pragma once
 #include "common/types.cuh"
+#include "params/reshape_and_cache.cuh"
 
 namespace cuattn {
-
-// Mirrored by cuattn.paged.RESHAPE_PARAMS. Strides are in elements; X = 16 / sizeof(CACHE_T).
-struct ReshapeCacheParams {
-  const void* key;           // [num_tokens, num_kv_heads, head_size]            T
-  const void* value;         // [num_tokens, num_kv_heads, head_size]            T
-  const void* k_cache;       // [num_blocks, num_kv_heads, head_size / X, block_size, X]  CACHE_T, written
-  const void* v_cache;       // [num_blocks, num_kv_heads, head_size, block_size]         CACHE_T, written
-  const void* slot_mapping;  // [num_tokens]                                     int32 or int64
-  long long key_stride_token, key_stride_head;
-  long long value_stride_token, value_stride_head;
-  long long k_stride_block, k_stride_head, k_stride_x, k_stride_token;
-  long long v_stride_block, v_stride_head, v_stride_dim;
-  float k_scale;             // fp8 caches only
-  float v_scale;
-  int num_tokens;
-  int num_kv_heads;
-  int head_size;
-  int block_size;
-};
 
 template <typename A, typename B> struct SameType { static constexpr bool value = false; };
 template <typename A> struct SameType<A, A> { static constexpr bool value = true; };
 
+// The kernel's knobs: the key / value type T, the cache's CACHE_T (T or fp8 e4m3), the
+// slot_mapping width (SLOT64: int64, else int32), threads per block.
+template <typename T_, typename CACHE_T_, bool SLOT64_, int NUM_THREADS_>
+struct ReshapeCacheTraits {
+  using T = T_;
+  using CACHE_T = CACHE_T_;
+  static constexpr bool SLOT64 = SLOT64_;
+  static constexpr int NUM_THREADS = NUM_THREADS_;
+  static constexpr int X = 16 / sizeof(CACHE_T);        // elements of one 16-byte x-vector
+  static constexpr bool SAME = SameType<T, CACHE_T>::value;
+};
+
 // Grid: (num_tokens), block: (NUM_THREADS). Each thread moves whole x-vectors (X elements of
 // one head, 16 bytes of the cache): one 16-byte store into K, X strided element stores into V.
-template <typename T, typename CACHE_T, bool SLOT64, int NUM_THREADS>
+template <typename Tr>
 __device__ void reshape_and_cache_kernel(const ReshapeCacheParams& p) {
-  constexpr int X = 16 / sizeof(CACHE_T);
-  constexpr bool SAME = SameType<T, CACHE_T>::value;
+  using T = typename Tr::T;
+  using CACHE_T = typename Tr::CACHE_T;
+  constexpr bool SLOT64 = Tr::SLOT64;
+  constexpr int NUM_THREADS = Tr::NUM_THREADS;
+  constexpr int X = Tr::X;
+  constexpr bool SAME = Tr::SAME;
   const int token = blockIdx.x;
   const long long slot = SLOT64 ? static_cast<const long long*>(p.slot_mapping)[token]
                                 : (long long)static_cast<const int*>(p.slot_mapping)[token];
@@ -41,8 +39,8 @@ __device__ void reshape_and_cache_kernel(const ReshapeCacheParams& p) {
   const long long block = slot / p.block_size;
   const int offset = slot % p.block_size;
   const int vecs_per_head = p.head_size / X;
-  CACHE_T* k_cache = static_cast<CACHE_T*>(const_cast<void*>(p.k_cache));
-  CACHE_T* v_cache = static_cast<CACHE_T*>(const_cast<void*>(p.v_cache));
+  CACHE_T* k_cache = static_cast<CACHE_T*>(p.k_cache);
+  CACHE_T* v_cache = static_cast<CACHE_T*>(p.v_cache);
   for (int i = threadIdx.x; i < p.num_kv_heads * vecs_per_head; i += NUM_THREADS) {
     const int head = i / vecs_per_head, g = i % vecs_per_head;
     const T* k_src = static_cast<const T*>(p.key) + token * p.key_stride_token + head * p.key_stride_head + g * X;

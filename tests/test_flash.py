@@ -1,8 +1,9 @@
 """flash_forward / flash_varlen_forward.
 
-CPU (CI): every shipped variant and every compiled head dim x mask x split form compiles
-for sm_90 with no spills and no stack; a representative few for sm_80 / sm_86 / sm_89;
-tile choices fit each architecture's shared memory.
+CPU (CI): every compiled head dim x mask x split form compiles for sm_90 with no spills and
+no stack, and so does every knob tile (KNOB_TILES, forced with tuning.override); a
+representative few for sm_80 / sm_86 / sm_89; tile choices fit each architecture's shared
+memory. (tests/test_jit.py compiles the whole shipped set.)
 GPU (marker ``gpu``): the sweep of issue 3 against a float64 reference (CuPy on the device,
 NumPy for a few small shapes) with FlashAttention's tolerance rule, outputs poisoned with
 NaN first. Bad inputs: tests/test_bad_inputs.py.
@@ -18,13 +19,16 @@ import numpy as np
 import pytest
 
 import cuattn
-from cuattn import flash, tuning
+from cuattn import tuning
 from cuattn.jit import compile_variant
+from cuattn.tuning import FlashTiles
+from cuattn.variants import MASK_CAUSAL, MASK_NONE, MASK_WINDOW, FlashFwdVariant
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F16 = np.dtype(np.float16)
 SMEM_LIMIT = {"sm_80": 163 * 1024, "sm_86": 99 * 1024, "sm_89": 99 * 1024,
               "sm_90": 227 * 1024}
+MASKS = {"n": MASK_NONE, "c": MASK_CAUSAL, "w": MASK_WINDOW}
 
 
 # ---- CPU: compilation -----------------------------------------------------------------------
@@ -40,13 +44,10 @@ def _check_resources(variant, arch):
     return res
 
 
-@pytest.mark.parametrize("variant", flash.shipped_variants("sm_90"), ids=lambda v: v.name)
-def test_shipped_variants_compile_for_sm90_without_spills(variant):
-    _check_resources(variant, "sm_90")
-
-
 # Every compiled head dim x {none, causal, window} x {final, split}, bf16 (fp16 generates
-# the same code but for the mma type): what a user can reach compiles cleanly too.
+# the same code but for the mma type), with the sm_90 table: what a user can reach
+# compiles cleanly (the shipped set, both dtypes and the sm_86 table too, is compiled by
+# tests/test_jit.py).
 _ALL_FORMS = [(hd, mode, split) for hd in tuning.FLASH_HEAD_DIMS for mode in "ncw"
               for split in (False, True)]
 
@@ -54,8 +55,7 @@ _ALL_FORMS = [(hd, mode, split) for hd in tuning.FLASH_HEAD_DIMS for mode in "nc
 @pytest.mark.parametrize("hd,mode,split", _ALL_FORMS,
                          ids=[f"hd{h}-{m}-{'split' if s else 'final'}" for h, m, s in _ALL_FORMS])
 def test_every_form_compiles_for_sm90_without_spills(hd, mode, split):
-    v = flash.forward_variant("bf16", hd, causal=mode == "c", window=mode == "w", split=split,
-                              arch="sm_90")
+    v = tuning.flash_forward_variant("bf16", hd, mask=MASKS[mode], split=split, arch="sm_90")
     _check_resources(v, "sm_90")
 
 
@@ -67,69 +67,76 @@ _OLDER = [("sm_80", "bf16", 128, "c", False), ("sm_80", "f16", 256, "n", True),
 @pytest.mark.parametrize("arch,dt,hd,mode,split", _OLDER,
                          ids=["-".join(map(str, c)) for c in _OLDER])
 def test_representative_variants_compile_for_older_archs(arch, dt, hd, mode, split):
-    v = flash.forward_variant(dt, hd, causal=mode == "c", window=mode == "w", split=split,
-                              arch=arch)
+    v = tuning.flash_forward_variant(dt, hd, mask=MASKS[mode], split=split, arch=arch)
     _check_resources(v, arch)
 
 
 @pytest.mark.parametrize("arch", sorted(SMEM_LIMIT))
 def test_tiles_fit_shared_memory_and_warp_rows(arch):
     for hd in tuning.FLASH_HEAD_DIMS:
-        for causal in (False, True):
-            v = flash.forward_variant("bf16", hd, causal=causal, window=False, split=False,
-                                      arch=arch)
+        for mask in (MASK_NONE, MASK_CAUSAL):
+            v = tuning.flash_forward_variant("bf16", hd, mask=mask, split=False, arch=arch)
             assert v.dynamic_smem_bytes <= SMEM_LIMIT[arch], (arch, v.name)
             assert v.block_m % (16 * v.num_warps) == 0 and v.block_n % 16 == 0
 
 
 def test_compiled_head_dim_and_names():
-    assert [flash.compiled_head_dim(d) for d in (8, 32, 40, 64, 80, 96, 120, 128, 136, 256)] == \
+    assert [tuning.compiled_head_dim(d) for d in (8, 32, 40, 64, 80, 96, 120, 128, 136, 256)] == \
         [32, 32, 64, 64, 96, 96, 128, 128, 160, 256]
-    v = flash.forward_variant("bf16", 128, causal=True, window=False, split=False, arch="sm_90")
+    v = tuning.flash_forward_variant("bf16", 128, mask=MASK_CAUSAL, split=False, arch="sm_90")
     assert v.name.startswith("cuattn_flash_fwd__bf16_hd128_") and v.name.endswith("_c1")
     with pytest.raises(ValueError):
-        flash.FlashFwdVariant("bf16", 128, 128, 64, 8, 2, causal=True, window=True, split=False)
+        FlashFwdVariant("bf16", 128, 128, 64, 8, 2, 3, False, 0, False, 0)   # no mask kind 3
 
 
 def test_split_rule():
     # A full grid never splits; a few rows against long keys split; short keys never do.
-    assert flash.choose_num_splits(4000, 512, 132, 1) == 1
-    assert flash.choose_num_splits(8, 512, 132, 1) == 132 // 8         # fill one wave, not more
-    assert flash.choose_num_splits(128, 256, 132, 2) == 2                # 3 would start a 2nd wave
-    assert flash.choose_num_splits(200, 256, 132, 1) == 1
-    assert flash.choose_num_splits(8, 3, 132, 1) == 1
-    assert flash.choose_num_splits(1, 10_000, 132, 2) == tuning.FLASH_MAX_SPLITS
+    assert tuning.flash_num_splits(4000, 512, 132, 1) == 1
+    assert tuning.flash_num_splits(8, 512, 132, 1) == 132 // 8        # fill one wave, not more
+    assert tuning.flash_num_splits(128, 256, 132, 2) == 2               # 3 would start a 2nd wave
+    assert tuning.flash_num_splits(200, 256, 132, 1) == 1
+    assert tuning.flash_num_splits(8, 3, 132, 1) == 1
+    assert tuning.flash_num_splits(1, 10_000, 132, 2) == tuning.FLASH_MAX_SPLITS
 
 
-# ---- kernel knobs: the candidates bench/lab/flash_sweep.py times ----------------------------
+# ---- kernel knobs ---------------------------------------------------------------------------
+# Tiles outside the tuning table that reach every value of every FlashFwdTraits knob
+# (q_smem 0 / 1 / 2, kv_split, softmax bits 0 and 1, 16 and 32 rows per warp, 2 and 3
+# stages), forced with tuning.override: the kernel's whole knob space compiles cleanly and
+# computes the right thing (test_knobs). bench/lab/flash_sweep.py times its own candidates.
+KNOB_TILES = {
+    64: [FlashTiles(64, 64, 4, 3, kv_split=True), FlashTiles(64, 64, 4, 3, softmax=1),
+         FlashTiles(128, 32, 4, 2), FlashTiles(128, 64, 4, 3, q_smem=1),
+         FlashTiles(128, 64, 4, 3, q_smem=1, kv_split=True),
+         FlashTiles(128, 128, 4, 2, q_smem=2, softmax=2)],
+    128: [FlashTiles(64, 64, 4, 2, kv_split=True), FlashTiles(64, 64, 4, 2, softmax=3),
+          FlashTiles(64, 32, 4, 3, q_smem=1), FlashTiles(128, 32, 4, 3, q_smem=1),
+          FlashTiles(128, 32, 4, 3, q_smem=1, kv_split=True),
+          FlashTiles(128, 32, 4, 3, q_smem=1, softmax=2),
+          FlashTiles(128, 64, 4, 2, q_smem=1, kv_split=True, softmax=2)],
+}
+# Tiles whose masked forms spill (the boundary-tile mask code on top of 192 accumulator
+# registers): the tuning table never picks them for a masked form.
+FULL_ONLY = {(64, FlashTiles(128, 128, 4, 2, q_smem=2, softmax=2)),
+             (128, FlashTiles(128, 64, 4, 2, q_smem=1, kv_split=True, softmax=2))}
 
-def _load_sweep():
-    import importlib.util
-    from pathlib import Path
-    path = Path(__file__).resolve().parents[1] / "bench" / "lab" / "flash_sweep.py"
-    spec = importlib.util.spec_from_file_location("_cuattn_flash_sweep", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+
+def label(t: FlashTiles) -> str:
+    s = f"{t.block_m}x{t.block_n}x{t.num_warps}w{t.stages}s"
+    s += {0: "", 1: "+qs"}.get(t.q_smem, f"+qs{t.q_smem}")
+    return s + ("+kvs" if t.kv_split else "") + (f"+sm{t.softmax}" if t.softmax else "")
 
 
-_SWEEP_MOD = _load_sweep()
-_CAND_FORMS = [(hd, t, causal) for hd, ts in _SWEEP_MOD.CANDIDATES.items() for t in ts
-               for causal in (False, True)
-               if not (causal and (hd, _SWEEP_MOD.label(t)) in _SWEEP_MOD.FULL_ONLY)]
+_KNOB_FORMS = [(hd, t, causal) for hd, ts in KNOB_TILES.items() for t in ts
+               for causal in (False, True) if not (causal and (hd, t) in FULL_ONLY)]
 
 
-def _with_tiles(monkeypatch, tiles):
-    monkeypatch.setattr(tuning, "flash_tiles", lambda arch, hd, masked: tiles)
-
-
-@pytest.mark.parametrize("hd,tiles,causal", _CAND_FORMS,
-                         ids=[f"hd{h}-{_SWEEP_MOD.label(t)}-{'c' if c else 'nc'}"
-                              for h, t, c in _CAND_FORMS])
-def test_sweep_candidates_compile_for_sm90_without_spills(monkeypatch, hd, tiles, causal):
-    _with_tiles(monkeypatch, tiles)
-    v = flash.forward_variant("bf16", hd, causal=causal, window=False, split=False,
-                              arch="sm_90")
+@pytest.mark.parametrize("hd,tiles,causal", _KNOB_FORMS,
+                         ids=[f"hd{h}-{label(t)}-{'c' if c else 'nc'}" for h, t, c in _KNOB_FORMS])
+def test_knob_tiles_compile_for_sm90_without_spills(hd, tiles, causal):
+    with tuning.override(flash_tiles=tiles):
+        v = tuning.flash_forward_variant("bf16", hd, mask=MASK_CAUSAL if causal else MASK_NONE,
+                                         split=False, arch="sm_90")
     assert (v.block_m, v.block_n, v.num_warps, v.stages, v.q_smem, v.kv_split, v.softmax) == \
         (tiles.block_m, tiles.block_n, tiles.num_warps, tiles.stages, tiles.q_smem,
          tiles.kv_split, tiles.softmax)
@@ -137,21 +144,33 @@ def test_sweep_candidates_compile_for_sm90_without_spills(monkeypatch, hd, tiles
     _check_resources(v, "sm_90")
 
 
-def test_knob_defaults_keep_the_names_and_knobs_appear_in_them():
-    base = flash.FlashFwdVariant("bf16", 128, 64, 64, 4, 2, False, False, False)
+def test_knobs_appear_in_the_names():
+    base = FlashFwdVariant("bf16", 128, 64, 64, 4, 2, MASK_NONE, False, 0, False, 0)
     assert base.name == "cuattn_flash_fwd__bf16_hd128_bm64_bn64_w4_st2_c0"
-    knob = flash.FlashFwdVariant("bf16", 128, 128, 32, 4, 3, True, False, True, q_smem=1,
-                                 kv_split=True, softmax=1)
+    knob = FlashFwdVariant("bf16", 128, 128, 32, 4, 3, MASK_CAUSAL, True, 1, True, 1)
     assert knob.name == "cuattn_flash_fwd__bf16_hd128_bm128_bn32_w4_st3_c1_qs_kvs_sm1_split"
-    assert knob.template_args()[-3:] == (1, True, 1)
-    knob2 = flash.FlashFwdVariant("bf16", 64, 128, 128, 4, 2, False, False, False, q_smem=2,
-                                  softmax=2)
+    assert knob.traits_args()[-3:] == (1, True, 1)
+    knob2 = FlashFwdVariant("bf16", 64, 128, 128, 4, 2, MASK_NONE, False, 2, False, 2)
     assert knob2.name == "cuattn_flash_fwd__bf16_hd64_bm128_bn128_w4_st2_c0_qs2_sm2"
-    assert tuning.FlashTiles(64, 64, 4, 2) == tuning.FlashTiles(64, 64, 4, 2, 0, False, 0)
-    with pytest.raises(ValueError):
-        flash.FlashFwdVariant("bf16", 128, 64, 64, 4, 2, False, False, False, softmax=4)
-    with pytest.raises(ValueError):
-        flash.FlashFwdVariant("bf16", 128, 64, 64, 4, 2, False, False, False, q_smem=3)
+    win = FlashFwdVariant("bf16", 64, 64, 64, 4, 2, MASK_WINDOW, False, 0, False, 0)
+    assert win.name.endswith("_win")
+    for bad in (dict(softmax=4), dict(q_smem=3)):
+        fields = dict(q_smem=0, kv_split=False, softmax=0) | bad
+        with pytest.raises(ValueError):
+            FlashFwdVariant("bf16", 128, 64, 64, 4, 2, MASK_NONE, False, **fields)
+
+
+def test_override_forces_tiles_and_restores_the_table():
+    table = tuning.flash_forward_variant("bf16", 128, mask=MASK_NONE, split=False, arch="sm_90")
+    forced = FlashTiles(64, 32, 4, 3, q_smem=1)
+    with tuning.override(flash_tiles=forced):
+        v = tuning.flash_forward_variant("bf16", 128, mask=MASK_NONE, split=False, arch="sm_90")
+        assert (v.block_m, v.block_n, v.stages, v.q_smem) == (64, 32, 3, 1)
+    assert tuning.flash_forward_variant("bf16", 128, mask=MASK_NONE, split=False,
+                                        arch="sm_90") == table
+    with pytest.raises(TypeError, match="override"):
+        with tuning.override(flash_tile=forced):
+            pass
 
 
 # ---- references -------------------------------------------------------------------------------
@@ -430,29 +449,26 @@ def test_stream_argument_and_empty_batch(rng):
     assert cuattn.flash_forward(empty, empty, empty).shape == (0, 10, 2, 64)
 
 
-# ---- GPU: every knob the sweep times, against the reference -----------------------------------
+# ---- GPU: every knob tile, against the reference -----------------------------------------------
 
-# Every sweep candidate with a new knob (q_smem, kv_split, softmax) or 32 rows per warp, each
-# through a few shapes: odd lengths, causal (bottom-right, sq != sk), a window, split-KV, a
-# head dim below the compiled one (zero-filled tail columns), GQA; fp16 and bf16.
-_KNOB_TILES = [(hd, t) for hd, ts in _SWEEP_MOD.CANDIDATES.items() for t in ts
-               if t.q_smem or t.kv_split or t.softmax or t.block_m // t.num_warps == 32]
-# (seqlen_q, seqlen_k, causal, window, num_splits, head dim below the compiled one by)
+# Every KNOB_TILES entry through a few shapes: odd lengths, causal (bottom-right, sq != sk), a
+# window, split-KV, a head dim below the compiled one (zero-filled tail columns), GQA; fp16
+# and bf16. (seqlen_q, seqlen_k, causal, window, num_splits, head dim below the compiled one)
 _KNOB_CASES = [(113, 203, False, (-1, -1), 1, 0), (113, 203, True, (-1, -1), 1, 0),
                (1024, 1023, True, (-1, -1), 1, 8), (2048, 2048, False, (-1, -1), 1, 0),
                (300, 777, False, (64, 32), 1, 0), (77, 3000, True, (-1, -1), 3, 0)]
-_KNOB_SWEEP = [(hd, t, case) for hd, t in _KNOB_TILES for case in _KNOB_CASES]
+_KNOB_SWEEP = [(hd, t, case) for hd, ts in KNOB_TILES.items() for t in ts
+               for case in _KNOB_CASES]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "hd,tiles,case", _KNOB_SWEEP,
-    ids=[f"hd{h}-{_SWEEP_MOD.label(t)}-{c[0]}x{c[1]}{'-c' if c[2] else ''}"
+    ids=[f"hd{h}-{label(t)}-{c[0]}x{c[1]}{'-c' if c[2] else ''}"
          f"{'-win' if c[3] != (-1, -1) else ''}{f'-split{c[4]}' if c[4] > 1 else ''}"
          f"{f'-d{h - c[5]}' if c[5] else ''}" for h, t, c in _KNOB_SWEEP])
-def test_knobs(rng, monkeypatch, hd, tiles, case):
+def test_knobs(rng, hd, tiles, case):
     sq, sk, causal, window, num_splits, short = case
-    _with_tiles(monkeypatch, tiles)
     idx = _KNOB_SWEEP.index((hd, tiles, case))
     dtype = (BF16, F16)[idx % 2]
     d = hd - short
@@ -461,6 +477,7 @@ def test_knobs(rng, monkeypatch, hd, tiles, case):
     k = _randn(rng, (batch, sk, 2, d), dtype)
     v = _randn(rng, (batch, sk, 2, d), dtype)
     out = _poisoned(q.shape, dtype)
-    _, lse = cuattn.flash_forward(q, k, v, causal=causal, window_size=window, return_lse=True,
-                                  num_splits=num_splits, out=out)
+    with tuning.override(flash_tiles=tiles):
+        _, lse = cuattn.flash_forward(q, k, v, causal=causal, window_size=window,
+                                      return_lse=True, num_splits=num_splits, out=out)
     check_close(out, lse, q, k, v, causal=causal, window=window)

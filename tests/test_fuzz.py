@@ -31,7 +31,9 @@ import numpy as np
 import pytest
 
 import cuattn
-from cuattn import flash, merge, paged, tuning
+from cuattn import paged, tuning
+from cuattn.paged.forms import form_for
+from cuattn.variants import MASK_CAUSAL, MASK_NONE, MASK_WINDOW
 from test_flash import _floor, _round, _visible, attention_ref
 from test_paged import E4M3, make_case, paged_reference
 from tests.reference import merge_reference, tolerance
@@ -433,6 +435,7 @@ def kernels_flash(p, arch):
     right = 0 if p["causal"] else right
     is_causal = p["causal"] and left < 0
     window = not is_causal and (left >= 0 or right >= 0)
+    mask = MASK_CAUSAL if is_causal else (MASK_WINDOW if window else MASK_NONE)
     if "lens_q" in p:
         batch = len(p["lens_q"])
         max_sq, max_sk = max(p["lens_q"]) + p["extra_max"], max(p["lens_k"]) + p["extra_max"]
@@ -442,13 +445,13 @@ def kernels_flash(p, arch):
         return []
 
     def fwd(split):
-        return flash.forward_variant(p["dtype"], p["hd"], causal=is_causal, window=window,
-                                     split=split, arch=arch)
+        return tuning.flash_forward_variant(p["dtype"], p["hd"], mask=mask, split=split,
+                                            arch=arch)
     tiles = -(-max_sk // fwd(False).block_n)
     n = p["num_splits"]
     split = (n == 0 and tiles >= 2 * tuning.FLASH_MIN_TILES_PER_SPLIT) or \
         min(n, max(tiles, 1), 65535 // batch) > 1              # (n = 0: a superset)
-    extra = [fwd(True), flash.FlashCombineVariant(p["dtype"], flash.compiled_head_dim(p["hd"]))]
+    extra = [fwd(True), tuning.flash_combine_variant(p["dtype"], p["hd"])]
     return [fwd(False)] + (extra if split else [])
 
 
@@ -534,7 +537,7 @@ def oracle_merge(p, c):
 
 
 def kernels_merge(p, arch):
-    return [merge.MergeVariant(p["dtype"], p["hs"], p["stacked"])]
+    return [tuning.merge_variant(p["dtype"], p["hs"], p["stacked"])]
 
 
 def work_merge(p):
@@ -662,11 +665,10 @@ def check_paged(p, c, got):
 
 
 def _paged_key(p, partition):
-    """The main kernel's variant (paged._variant where the tensor-core form exists)."""
+    """The main kernel's variant, of the form paged_attention runs for the case."""
     cache = p["dtype"] if p["cache"] == "same" else "e4m3"
-    args = (p["dtype"], cache, p["hs"], p["bs"], p["group"], partition, p["alibi"])
-    make = getattr(paged, "_variant", None)
-    return make(*args) if make else paged.PagedVariant(*args)
+    return form_for(cache, p["hs"], p["group"]).variant(p["dtype"], cache, p["hs"], p["bs"],
+                                                         p["group"], partition, p["alibi"])
 
 
 def kernels_paged(p, arch):
@@ -676,7 +678,7 @@ def kernels_paged(p, arch):
     if p["version"] != "v1":
         parts = [p["partition"]] if p["partition"] else tuning.PAGED_PARTITION_SIZES
         keys += [_paged_key(p, ps) for ps in parts]
-        keys.append(paged.PagedReduceVariant(p["dtype"], p["hs"], paged._reduce_threads(p["hs"])))
+        keys.append(tuning.paged_reduce_variant(p["dtype"], p["hs"]))
     return keys
 
 
@@ -762,7 +764,7 @@ def oracle_reshape(p, c):
 
 def kernels_reshape(p, arch):
     cache = p["dtype"] if p["cache"] == "same" else "e4m3"
-    return [paged.ReshapeCacheVariant(p["dtype"], cache, p["slot64"])] if p["tokens"] else []
+    return [tuning.reshape_variant(p["dtype"], cache, p["slot64"])] if p["tokens"] else []
 
 
 def work_reshape(p):

@@ -12,13 +12,12 @@ from pathlib import Path
 import pytest
 
 import cuattn
-from cuattn import variants
+from cuattn import tuning, variants
 from cuattn.jit import CompileError, Variant, cache, compile_variant, compiler
 from cuattn.jit.compiler import compile_ptx, parse_ptxas_report
-from cuattn.merge import MergeVariant
 
 REPO = Path(__file__).resolve().parent.parent
-KEY = MergeVariant("bf16", 128, stacked=False)
+KEY = tuning.merge_variant("bf16", 128, False)
 
 
 def _all_variant_classes():
@@ -117,8 +116,8 @@ def test_cache_hit_compiles_nothing(tmp_path, monkeypatch):
 
 
 def _build_in_subprocess(cache_dir: Path) -> subprocess.CompletedProcess:
-    code = ("from cuattn.merge import MergeVariant; from cuattn.jit import build; "
-            "print('compiled' if build(MergeVariant('bf16', 128, stacked=False), 'sm_90') "
+    code = ("from cuattn.tuning import merge_variant; from cuattn.jit import build; "
+            "print('compiled' if build(merge_variant('bf16', 128, False), 'sm_90') "
             "else 'cached')")
     env = dict(os.environ, CUATTN_CACHE_DIR=str(cache_dir), PYTHONPATH=str(REPO))
     return subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
@@ -145,7 +144,7 @@ def test_concurrent_processes_compile_once_and_all_succeed(tmp_path):
 def _precompile(cache_dir: Path, src: Path) -> subprocess.Popen:
     env = dict(os.environ, CUATTN_CACHE_DIR=str(cache_dir), PYTHONPATH=str(src))
     return subprocess.Popen([sys.executable, "-m", "cuattn", "precompile", "--arch", "sm_90",
-                             "--ops", "merge", "paged", "-q"], env=env, stdout=subprocess.PIPE,
+                             "--ops", "merge", "-q"], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
 
@@ -156,8 +155,8 @@ def _counts(stdout: str) -> tuple[int, int]:
 
 
 def test_eight_concurrent_precompiles_leave_a_consistent_cache(tmp_path):
-    """Eight precompiles of the shipped merge + paged variants into one fresh cache at
-    once (~10 s on two cores): all succeed, each variant is compiled exactly once (the
+    """Eight precompiles of the shipped merge variants into one fresh cache at once (~10 s
+    on two cores): all succeed, each variant is compiled exactly once (the
     per-entry lock), every entry is a whole ELF, no temp file is left; a later run compiles
     nothing, and a cubin truncated on disk is detected and rebuilt by the next one."""
     import shutil
@@ -216,8 +215,8 @@ def test_unwritable_cache_dir_falls_back_to_memory_with_one_warning(tmp_path, mo
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         cubin1, _ = cache.get_cubin(KEY.name, KEY.source(), "sm_90")
-        cubin2, _ = cache.get_cubin(MergeVariant("f16", 64, True).name,
-                                    MergeVariant("f16", 64, True).source(), "sm_90")
+        other = tuning.merge_variant("f16", 64, True)
+        cubin2, _ = cache.get_cubin(other.name, other.source(), "sm_90")
     assert cache.looks_complete(cubin1) and cache.looks_complete(cubin2)
     msgs = [str(w.message) for w in caught if "not writable" in str(w.message)]
     assert len(msgs) == 1, msgs
@@ -265,35 +264,35 @@ def test_cli_unknown_op(tmp_path):
 
 @pytest.mark.slow
 def test_installed_wheel_finds_its_kernel_sources(tmp_path):
-    """Build the wheel, install it into a fresh venv outside the repo, compile from there."""
+    """Build the wheel, install it into a directory outside the repo, compile from there.
+
+    The dependencies (cupy, NVRTC) come from this interpreter's environment, a virtual one
+    or not; the wheel's directory leads sys.path, so the wheel, not this checkout (nor an
+    editable install of it), provides cuattn."""
     wheel_dir = tmp_path / "wheel"
     r = subprocess.run([sys.executable, "-m", "build", "--wheel", "--outdir", str(wheel_dir),
                         str(REPO)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     (wheel,) = wheel_dir.glob("cuattn-*.whl")
-    venv = tmp_path / "venv"
-    # Dependencies (cupy, NVRTC) come from this interpreter's site-packages; the venv's own
-    # site-packages comes first on sys.path, so the wheel, not this checkout, provides cuattn.
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages",
-                    str(venv)], check=True)
-    py = venv / "bin" / "python"
-    venv_site = Path(subprocess.check_output(
-        [py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], text=True).strip())
     import zipfile
     with zipfile.ZipFile(wheel) as zf:
         names = zf.namelist()
         assert "cuattn/cuda_src/merge_attn_states.cuh" in names
         assert "cuattn/cuda_src/common/types.cuh" in names
+        assert "cuattn/cuda_src/params/merge.cuh" in names
+        assert "cuattn/paged/attention.py" in names
+    site = tmp_path / "site"
     r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
-                        "--target", str(venv_site), str(wheel)], capture_output=True, text=True)
+                        "--target", str(site), str(wheel)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
-    code = ("import cuattn, cuattn.jit as jit; from cuattn.merge import MergeVariant; "
+    code = ("import cuattn, cuattn.jit as jit; from cuattn.tuning import merge_variant; "
             "src = jit.compiler.cuda_src_dir(); print(cuattn.__file__); print(src); "
-            "r = jit.compile_variant(MergeVariant('f16', 64, True), 'sm_90'); "
+            "r = jit.compile_variant(merge_variant('f16', 64, True), 'sm_90'); "
             "print(len(r.cubin))")
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    r = subprocess.run([py, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
+    env = dict(os.environ, PYTHONPATH=str(site))
+    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True,
+                       text=True)
     assert r.returncode == 0, r.stderr
     mod_file, src_dir, size = r.stdout.split()
-    assert mod_file.startswith(str(venv_site)) and src_dir.startswith(str(venv_site))
+    assert mod_file.startswith(str(site)) and src_dir.startswith(str(site))
     assert int(size) > 1000

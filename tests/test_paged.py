@@ -16,9 +16,11 @@ import numpy as np
 import pytest
 
 import cuattn
-from cuattn import jit
-from cuattn.paged import (HEAD_SIZES, PagedMmaVariant, PagedReduceVariant, PagedVariant,
-                          ReshapeCacheVariant, shipped_variants)
+from cuattn import jit, tuning
+from cuattn.paged import HEAD_SIZES
+from cuattn.paged.forms import MmaForm, SimtForm, form_for
+from cuattn.tuning import PagedMmaTiles
+from cuattn.variants import PagedMmaVariant, PagedSimtVariant
 from tests.reference import tolerance
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -42,27 +44,20 @@ def _assert_clean(results, arch):
         assert (r.spill_stores, r.spill_loads, r.stack_bytes) == (0, 0, 0), f"{v.name} {arch}: {r}"
 
 
-def test_shipped_variants_compile_for_sm90_without_spills_or_stack():
-    results = _compile_all(shipped_variants(), "sm_90")
-    _assert_clean(results, "sm_90")
-    for v, r in results:
-        print(f"{v.name}: {r.registers} registers")
-
-
 def _odd_variants():
-    """Outside the shipped set: every head size, block sizes 8 / 32, fp8, ALiBi, GQA 8."""
+    """Outside the shipped set: every head size, block sizes 8 / 32, fp8, ALiBi, GQA 8, both
+    forms (the shipped set is compiled by tests/test_jit.py)."""
     out = []
     for hs in HEAD_SIZES:
-        out.append(PagedVariant("bf16", "bf16", hs, 32, 8, 512, True))
-        out.append(PagedVariant("f16", "f16", hs, 8, 2, 0, False))
+        out.append(tuning.paged_simt_variant("bf16", "bf16", hs, 32, 8, 512, True))
+        out.append(tuning.paged_simt_variant("f16", "f16", hs, 8, 2, 0, False))
         if hs % 16 == 0:
-            out.append(PagedVariant("bf16", "e4m3", hs, 8, 8, 0, True))
-            out.append(PagedVariant("f16", "e4m3", hs, 16, 4, 1024, False))
-        out.append(PagedReduceVariant("f16", hs, max(32, -(-hs // 4 // 32) * 32)))
-        if hs % 16 == 0:
-            out.append(PagedMmaVariant("bf16", hs, 32, 8, 512, True))
-            out.append(PagedMmaVariant("f16", hs, 8, 3, 0, False))
-    out += [ReshapeCacheVariant(dt, "e4m3", s64) for dt in ("f16", "bf16") for s64 in (False, True)]
+            out.append(tuning.paged_simt_variant("bf16", "e4m3", hs, 8, 8, 0, True))
+            out.append(tuning.paged_simt_variant("f16", "e4m3", hs, 16, 4, 1024, False))
+            out.append(tuning.paged_mma_variant("bf16", hs, 32, 8, 512, True))
+            out.append(tuning.paged_mma_variant("f16", hs, 8, 3, 0, False))
+        out.append(tuning.paged_reduce_variant("f16", hs))
+    out += [tuning.reshape_variant(dt, "e4m3", s64) for dt in ("f16", "bf16") for s64 in (False, True)]
     return out
 
 
@@ -72,13 +67,13 @@ def test_odd_variants_compile_for_sm90_without_spills_or_stack():
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_86", "sm_89"])
 def test_representative_variants_compile_for_older_archs(arch):
-    vs = [PagedVariant("bf16", "bf16", 128, 16, 4, 0, False),
-          PagedVariant("f16", "f16", 128, 16, 1, 512, False),
-          PagedVariant("bf16", "e4m3", 256, 16, 8, 512, True),
-          PagedReduceVariant("bf16", 128, 32),
-          ReshapeCacheVariant("bf16", "e4m3", True),
-          PagedMmaVariant("bf16", 128, 16, 4, 512, False),
-          PagedMmaVariant("f16", 256, 16, 8, 0, True)]
+    vs = [tuning.paged_simt_variant("bf16", "bf16", 128, 16, 4, 0, False),
+          tuning.paged_simt_variant("f16", "f16", 128, 16, 1, 512, False),
+          tuning.paged_simt_variant("bf16", "e4m3", 256, 16, 8, 512, True),
+          tuning.paged_reduce_variant("bf16", 128),
+          tuning.reshape_variant("bf16", "e4m3", True),
+          tuning.paged_mma_variant("bf16", 128, 16, 4, 512, False),
+          tuning.paged_mma_variant("f16", 256, 16, 8, 0, True)]
     _assert_clean(_compile_all(vs, arch), arch)
 
 
@@ -99,46 +94,43 @@ def test_paged_kv_cache_shapes():
         cuattn.paged_kv_cache_shapes(3, 1, 128, 16, np.float32)
 
 
-def test_variant_names_and_keys():
-    v = PagedVariant("bf16", "bf16", 128, 16, 4, 512, False, pipeline=0, num_threads=256)
-    assert v.name == "cuattn_paged__bf16_kvbf16_hd128_bs16_g4_p512_a0_t256_m2"
-    assert PagedVariant("bf16", "e4m3", 128, 16, 4, 0, True, pipeline=0,
-                        num_threads=256).name.endswith("_g4_v1_a1_t256_m1")
-    assert "__launch_bounds__(256, 2)" in v.source()
-    # K rotation: plain launch bounds (a 128-register cap spills), the knob in the symbol
-    p3 = PagedVariant("bf16", "bf16", 128, 16, 4, 512, False, pipeline=3, num_threads=256)
-    assert p3.name == "cuattn_paged__bf16_kvbf16_hd128_bs16_g4_p512_a0_t256_pl3"
-    assert "__launch_bounds__(256)\n" in p3.source()
-    assert p3.template_args()[-1] == 3
-    names = [x.name for x in shipped_variants()]
+def test_variant_names_and_launch_bounds():
+    v = tuning.paged_simt_variant("bf16", "bf16", 128, 16, 4, 512, False)
+    assert v.name == (f"cuattn_paged__bf16_kvbf16_hd128_bs16_g4_p512_a0_"
+                      f"t{tuning.PAGED_SIMT_NUM_THREADS}")
+    assert tuning.paged_simt_variant("bf16", "e4m3", 128, 16, 4, 0, True).name.endswith("_g4_v1_a1_t128")
+    assert f"__launch_bounds__({v.num_threads}, 1)\n" in v.source()
+    m = tuning.paged_mma_variant("bf16", 128, 16, 4, 512, False)
+    t = tuning.paged_mma_tiles(128)
+    assert m.name == f"cuattn_paged_mma__bf16_hd128_bs16_g4_p512_a0_w{t.num_warps}_st{t.stages}"
+    assert f"__launch_bounds__({m.num_threads}, 1)" in m.source()
+    assert m.dynamic_smem_bytes == t.num_warps * t.stages * 2 * 16 * 128 * 2
+    assert f"Traits::SMEM_BYTES == {m.dynamic_smem_bytes}" in m.source()
+    names = [x.name for x in tuning.SHIPPED["paged"]()]
     assert len(names) == len(set(names))
 
 
-# Ring shapes bench/lab/decode_sweep.py times for the tensor-core form (num_warps, stages,
-# tile, p_split, evict_first); the first is the default.
-MMA_KNOBS = [dict(), dict(stages=4), dict(stages=2), dict(tile=32, stages=2), dict(num_warps=8),
-             dict(num_warps=2, stages=4), dict(p_split=0), dict(evict_first=0)]
-
-
-def test_mma_variant_names_and_rule():
-    from cuattn import paged, tuning
-    v = PagedMmaVariant("bf16", 128, 16, 4, 512, False)
-    t = tuning.paged_mma_tiles(128)
-    assert v.name == (f"cuattn_paged_mma__bf16_hd128_bs16_g4_p512_a0_w{t.num_warps}"
-                      f"_st{t.stages}_tile{t.tile}" + ("_psplit" if t.p_split else "")
-                      + ("_ef" if t.evict_first else ""))
-    assert v.dynamic_smem_bytes == t.num_warps * t.stages * 2 * t.tile * 128 * 2
-    # where the tensor-core form runs: 16-bit caches, head size % 16, group >= the minimum
-    g = tuning.PAGED_MMA_MIN_GROUP
-    assert isinstance(paged._variant("bf16", "bf16", 128, 16, g, 512, False), PagedMmaVariant)
-    assert isinstance(paged._variant("bf16", "e4m3", 128, 16, 8, 512, False), PagedVariant)
-    assert isinstance(paged._variant("f16", "f16", 120, 16, 8, 512, False), PagedVariant)
-    if g > 1:
-        assert isinstance(paged._variant("bf16", "bf16", 128, 16, g - 1, 0, False), PagedVariant)
+def test_where_each_form_runs_and_the_override():
+    # the tensor-core form: 16-bit caches, head size % 16; the CUDA-core form elsewhere
+    assert isinstance(form_for("bf16", 128, 1), MmaForm)
+    assert isinstance(form_for("bf16", 128, 8), MmaForm)
+    assert isinstance(form_for("e4m3", 128, 8), SimtForm)
+    assert isinstance(form_for("f16", 120, 8), SimtForm)
+    with tuning.override(paged_form="simt"):
+        assert isinstance(form_for("bf16", 128, 4), SimtForm)
+    with tuning.override(paged_form="mma"):
+        assert isinstance(form_for("e4m3", 128, 4), SimtForm)   # where it can run only
+    with tuning.override(paged_mma=PagedMmaTiles(num_warps=2, stages=4)):
+        assert form_for("bf16", 128, 4).variant("bf16", "bf16", 128, 16, 4, 0, False) == \
+            PagedMmaVariant("bf16", 128, 16, 4, 0, False, 2, 4)
+    assert tuning.paged_mma_variant("bf16", 128, 16, 4, 0, False).stages == \
+        tuning.paged_mma_tiles(128).stages
+    with pytest.raises(ValueError, match="paged_form"):
+        with tuning.override(paged_form="cuda"):
+            pass
 
 
 def test_auto_rule_of_the_tensor_core_form():
-    from cuattn import tuning
     sms = 132
     assert tuning.paged_mma_plan(256, 4096, sms) == ("v1", 0)          # v1 fills the SMs
     assert tuning.paged_mma_plan(64, 32768, sms) == ("v2", 1024)
@@ -150,61 +142,42 @@ def test_auto_rule_of_the_tensor_core_form():
     # version="v2" without a partition: the same partition rule, even where v1 would fill
     assert tuning.paged_mma_partition(256, 4096, sms) == 1024
     assert tuning.paged_mma_partition(8, 4096, sms) == 128
+    # the CUDA-core form: v1 when one 512-token partition covers the context
+    assert tuning.paged_simt_plan(512, None) == ("v1", 512)
+    assert tuning.paged_simt_plan(513, None) == ("v2", 512)
+    assert tuning.paged_simt_plan(513, 1024) == ("v1", 1024)
 
 
-def test_mma_knob_variants_compile_for_sm90_without_spills_or_stack():
-    vs = [PagedMmaVariant(dt, hs, bs, g, ps, False, **kn) for kn in MMA_KNOBS
+# Ring shapes of the tensor-core form (tuning.PagedMmaTiles) the tests run through the
+# override; the first is the table's.
+MMA_RINGS = [tuning.paged_mma_tiles(128), PagedMmaTiles(stages=4), PagedMmaTiles(stages=2),
+             PagedMmaTiles(num_warps=8), PagedMmaTiles(num_warps=2, stages=4)]
+
+
+def test_mma_rings_compile_for_sm90_without_spills_or_stack():
+    vs = [PagedMmaVariant(dt, hs, bs, g, ps, False, r.num_warps, r.stages) for r in MMA_RINGS
           for dt, hs, bs, g, ps in [("bf16", 128, 16, 4, 512), ("bf16", 128, 16, 1, 0),
                                     ("f16", 64, 8, 8, 128), ("bf16", 256, 32, 2, 1024)]]
     _assert_clean(_compile_all(vs, "sm_90"), "sm_90")
 
 
-def test_pipeline_rule():
-    """K rotation only where a warp step holds <= PAGED_PIPELINE_K_MAX_VECS vectors per lane."""
-    from cuattn import tuning
-    full = tuning.PAGED_PIPELINE
-    assert PagedVariant("bf16", "bf16", 128, 16, 4, 512, False).pipeline == full      # 8 vectors
-    assert PagedVariant("bf16", "e4m3", 128, 16, 4, 512, False).pipeline == full      # 4
-    assert PagedVariant("f16", "f16", 256, 16, 4, 512, False).pipeline == full & ~1   # 16
-    assert PagedVariant("bf16", "bf16", 96, 32, 8, 512, False).pipeline == full & ~1  # 12
-    assert PagedVariant("bf16", "bf16", 64, 16, 1, 0, False).pipeline == full         # 4 x KU 2
-
-
-def test_knob_variants_compile_for_sm90_without_spills_or_stack():
-    """Every knob set bench/lab/decode_sweep.py times, and the un-pipelined kernel (the one
-    measured first on the H200) over the shipped shapes."""
-    vs = []
-    for pl, mb, nt in [(0, 2, 256), (2, 2, 256), (3, 0, 256), (1, 0, 256), (0, 0, 128),
-                       (3, 0, 128), (2, 0, 256), (3, 1, 256)]:
-        for g in (1, 4):
-            for ps in (0, 128, 512, 1024):
-                vs.append(PagedVariant("bf16", "bf16", 128, 16, g, ps, False, num_threads=nt,
-                                       min_blocks=mb, pipeline=pl))
-    for hs in (64, 256):
-        for g in (1, 4, 8):
-            vs.append(PagedVariant("f16", "f16", hs, 16, g, 512, True, pipeline=0))
-    _assert_clean(_compile_all(vs, "sm_90"), "sm_90")
-
-
-def test_params_fast_packing_matches_pack():
-    """paged_attention packs the pointers in front of a cached static tail: same bytes as
-    ParamsStruct.pack."""
-    from cuattn import paged
+def test_params_packing_matches_pack():
+    """A launch packs a call's pointers in front of its plan's static tail: the same bytes as
+    ParamsStruct.pack of every field."""
+    from cuattn._launch import Launch
+    from cuattn.variants import PAGED_PARAMS, PAGED_REDUCE_PARAMS, RESHAPE_PARAMS
     rng = np.random.default_rng(1)
-    for ps, pk in ((paged.PARAMS, paged._PTR), (paged.REDUCE_PARAMS, paged._RPTR),
-                   (paged.RESHAPE_PARAMS, paged._RS_PTR)):
-        n_ptr = pk.size // 8
-        assert sum(k == "ptr" for _, k in ps.fields) == n_ptr
-        kinds = dict(ps.fields)
-        vals = {n: (int(rng.integers(1, 2**62)) if k in ("ptr", "i64") else
+    for ps in (PAGED_PARAMS, PAGED_REDUCE_PARAMS, RESHAPE_PARAMS):
+        n_ptr = ps.num_pointers
+        assert all(k in ("ptr", "out") for _, k in ps.fields[:n_ptr])
+        vals = {n: (int(rng.integers(1, 2**62)) if k in ("ptr", "out", "i64") else
                     int(rng.integers(-2**30, 2**30)) if k == "i32" else float(rng.random()))
                 for n, k in ps.fields}
         names = [n for n, _ in ps.fields]
-        static = {n: vals[n] for n in names[n_ptr:]}
-        tail = paged._static_tail(ps, n_ptr, **static)
-        fast = np.frombuffer(pk.pack(*[vals[n] for n in names[:n_ptr]]) + tail, ps.dtype)[0]
-        assert fast.tobytes() == ps.pack(**vals).tobytes()
-        assert all(kinds[n] == "ptr" for n in names[:n_ptr])
+        tail = ps.tail(**{n: vals[n] for n in names[n_ptr:]})
+        ptrs = [0] + [vals[n] for n in names[:n_ptr]]          # slot 0: null
+        launch = Launch(None, (1,), (1,), 0, ps.dtype, tuple(range(1, n_ptr + 1)), tail)
+        assert launch.params(ptrs).tobytes() == ps.pack(**vals).tobytes()
 
 
 def test_host_arrays_are_refused():
@@ -501,47 +474,16 @@ def test_captured_in_a_cuda_graph_replays_with_new_lengths(rng, version):
     assert np.abs(got - ref).max() <= tolerance(np.abs(lowp - ref).max(), 1e-3)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("pipeline", [0, 1, 2, 3])
-@pytest.mark.parametrize("head_size,block_size,gqa", [(128, 16, 4), (64, 8, 1), (256, 32, 2),
-                                                      (96, 16, 8)])
-def test_pipeline_knob(rng, pipeline, head_size, block_size, gqa):
-    """Every PIPELINE setting (the tuning table picks one per shape) against the reference,
-    v1 and v2 (partition 128: many partitions, so the next-step refills cross partitions'
-    ends), NaN in every slot that must not be read."""
-    from cuattn import paged, tuning
-    case = make_case(rng, lengths=LENGTHS(block_size), nkv=2, gqa=gqa, head_size=head_size,
-                     block_size=block_size, dtype="bf16")
-    dcase = _to_device(case)
-    group = max(g for g in range(1, 9) if gqa % g == 0)
-    paged._MMA_OVERRIDES["use"] = False     # the CUDA-core form, whose knob this is
-    paged._VARIANT_OVERRIDES.update(pipeline=pipeline, min_blocks=tuning.paged_min_blocks(
-        "bf16", head_size, block_size, group, pipeline))
-    paged._plans.clear()
-    try:
-        ref, _ = _run(case, dcase, "bf16", "v1")
-        _run(case, dcase, "bf16", "v2", ref=ref, partition_size=128)
-        _run(case, dcase, "bf16", "v2", ref=ref, partition_size=512)
-    finally:
-        paged._VARIANT_OVERRIDES.clear()
-        paged._MMA_OVERRIDES.clear()
-        paged._plans.clear()
-
-
 @pytest.fixture
 def form(request):
-    """Force the tensor-core ("mma") or the CUDA-core ("cuda_core") form, knobs optional."""
-    from cuattn import paged
-    use, knobs = request.param
-    paged._MMA_OVERRIDES.update(use=use, **knobs)
-    paged._plans.clear()
-    yield use
-    paged._MMA_OVERRIDES.clear()
-    paged._plans.clear()
+    """Force the tensor-core ("mma") or the CUDA-core ("simt") form, and a ring optionally."""
+    name, ring = request.param
+    with tuning.override(paged_form=name, **({"paged_mma": ring} if ring else {})):
+        yield name
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("form", [(False, {}), (True, {})], ids=["cuda_core", "mma"],
+@pytest.mark.parametrize("form", [("simt", None), ("mma", None)], ids=["simt", "mma"],
                          indirect=True)
 @pytest.mark.parametrize("gqa,head_size,block_size,dtype,alibi", [
     (1, 128, 16, "bf16", False), (4, 64, 8, "f16", True), (8, 256, 32, "bf16", False),
@@ -559,11 +501,11 @@ def test_both_forms(rng, form, gqa, head_size, block_size, dtype, alibi):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("form", [(True, kn) for kn in MMA_KNOBS], indirect=True,
-                         ids=lambda p: "_".join(f"{k}{v}" for k, v in p[1].items()) or "default")
-def test_mma_knobs(rng, form):
-    """Every ring shape the sweep times, against the reference; a long context too (many
-    tiles per warp, so the ring wraps many times)."""
+@pytest.mark.parametrize("form", [("mma", r) for r in MMA_RINGS], indirect=True,
+                         ids=lambda p: f"w{p[1].num_warps}st{p[1].stages}")
+def test_mma_rings(rng, form):
+    """Every ring shape of MMA_RINGS, against the reference; a long context too (many tiles
+    per warp, so the ring wraps many times)."""
     case = make_case(rng, lengths=LENGTHS(16) + [20000], nkv=2, gqa=4, head_size=128,
                      block_size=16, dtype="bf16")
     dcase = _to_device(case)
@@ -591,15 +533,16 @@ def test_cached_plan_rereads_pointers_and_still_checks_alignment(rng):
     pointers, new values) give their own result, and what the signature does not cover (base
     alignment) is still checked."""
     import cupy as cp
-    from cuattn import paged
+    from cuattn._launch import clear_plans
+    from cuattn.paged import attention
     cases = [make_case(rng, lengths=[40, 513, 7], nkv=2, gqa=4, head_size=128, block_size=16,
                        dtype="bf16") for _ in range(2)]
     assert all(cases[0][k].shape == cases[1][k].shape for k in ("q", "k_cache", "block_tables"))
     for version in ("v1", "v2"):
-        paged._plans.clear()
+        clear_plans()
         for case in cases:
             _run(case, _to_device(case), "bf16", version)
-        assert len(paged._plans) == 1
+        assert len(attention._plans) == 1
     d = _to_device(cases[0])
     k = d["k_cache"]
     raw = cp.empty(k.size * 2 + 8, dtype=BF16)
@@ -720,7 +663,7 @@ def test_bad_inputs_raise_naming_the_argument(what, mutate, exc, name):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("form", [(False, {})], ids=["cuda_core"], indirect=True)
+@pytest.mark.parametrize("form", [("simt", None)], ids=["simt"], indirect=True)
 def test_v1_too_long_is_a_clear_error_and_auto_falls_back(form):
     import cupy as cp
     a = _good_args()
@@ -732,7 +675,7 @@ def test_v1_too_long_is_a_clear_error_and_auto_falls_back(form):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("form", [(True, {})], ids=["mma"], indirect=True)
+@pytest.mark.parametrize("form", [("mma", None)], ids=["mma"], indirect=True)
 def test_v1_of_the_tensor_core_form_has_no_length_limit(rng, form):
     """Its v1 keeps an online softmax, not the logits: a 40000-token sequence runs."""
     case = make_case(rng, lengths=[40000, 7], nkv=1, gqa=4, head_size=64, block_size=32,

@@ -16,7 +16,7 @@ from .variant import Variant
 
 __all__ = ["CompileError", "CompileResult", "ParamsStruct", "Resources", "Variant",
            "arch_of_device", "build", "cache", "compile_variant", "compiler", "get_kernel",
-           "nvrtc_version"]
+           "max_dynamic_smem", "nvrtc_version", "set_max_dynamic_smem"]
 
 _loaded: dict[tuple[int, Variant], "cupy.cuda.function.Function"] = {}
 _modules: list = []          # keep modules alive as long as their functions
@@ -29,18 +29,19 @@ def arch_of_device(device_id: int) -> str:
 
 
 def compile_variant(key: Variant, arch: str) -> CompileResult:
-    """Compile without the cache (tests read the ptxas report of the result)."""
-    return compile_cubin(key.source(), key.name, arch)
+    """Compile without the cache for a device of ``arch`` (tests read the ptxas report)."""
+    return compile_cubin(key.source(), key.name, key.target_arch(arch))
 
 
 def build(key: Variant, arch: str) -> bool:
-    """Make sure the variant is in the disk cache for ``arch``; True if it was compiled now."""
-    _, compiled = cache.get_cubin(key.name, key.source(), arch)
+    """Make sure the variant is in the disk cache for a device of ``arch``; True if it was
+    compiled now."""
+    _, compiled = cache.get_cubin(key.name, key.source(), key.target_arch(arch))
     return compiled
 
 
 def _load(key: Variant, device_id: int):
-    arch = arch_of_device(device_id)
+    arch = key.target_arch(arch_of_device(device_id))
     cubin, _ = cache.get_cubin(key.name, key.source(), arch)
     with cupy.cuda.Device(device_id):
         module = cupy.cuda.function.Module()
@@ -55,19 +56,32 @@ def _load(key: Variant, device_id: int):
         # The default cap is 48 KB of dynamic + static shared memory together: raise it for
         # any dynamic size (48 KB of ring + 256 B of static failed to launch otherwise).
         if key.dynamic_smem_bytes > 0:
-            driver = cupy.cuda.driver
-            driver.funcSetAttribute(function.ptr,
-                                    driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                                    key.dynamic_smem_bytes)
+            set_max_dynamic_smem(function, key.dynamic_smem_bytes)
     _modules.append(module)
     return function
+
+
+def set_max_dynamic_smem(function, nbytes: int) -> None:
+    """Let ``function`` launch with up to ``nbytes`` of dynamic shared memory."""
+    driver = cupy.cuda.driver
+    driver.funcSetAttribute(function.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                            nbytes)
+
+
+def max_dynamic_smem(function, device_id: int) -> int:
+    """The most dynamic shared memory ``function`` can be given on ``device_id``: the
+    device's opt-in limit per block less the kernel's static shared memory."""
+    driver = cupy.cuda.driver
+    optin = cupy.cuda.Device(device_id).attributes["MaxSharedMemoryPerBlockOptin"]
+    return optin - driver.funcGetAttribute(driver.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES,
+                                           function.ptr)
 
 
 def get_kernel(key: Variant, device_id: int):
     """The loaded kernel of ``key`` on ``device_id`` (compiled or read from disk on first use).
 
     Call it as CuPy's ``kernel(grid, block, (params,), stream=..., shared_mem=...)`` with
-    ``params = key.params.pack(...)``. (A launch through cuda.bindings' cuLaunchKernel
+    ``params`` a structured scalar of ``key.params`` (cuattn._launch packs it). (A launch through cuda.bindings' cuLaunchKernel
     measured 20 us per call on the H200 host against 4.6 us for CuPy's: bench/NOTES.md.)
     """
     function = _loaded.get((device_id, key))

@@ -120,11 +120,10 @@ def get_cubin(name: str, source: str, arch: str, *, force: bool = False) -> tupl
 
     ``force`` recompiles even over a readable entry (used when the driver rejected it).
     """
-    from filelock import FileLock, Timeout
-
     path = entry_path(name, source, arch)
     if not force and (cubin := _read_entry(path)) is not None:
         return cubin, False
+    from filelock import FileLock, Timeout   # only a compile needs it (~150 ms to import)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         lock = FileLock(str(path) + ".lock", timeout=600)

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import numpy as np
 
-# Field kinds: C++ spelling and NumPy type. Pointers travel as 64-bit integers.
+# Field kinds: C++ spelling and NumPy type. Pointers travel as 64-bit integers: "ptr" to
+# what the kernel reads, "out" to what it writes.
 _KINDS = {
     "ptr": ("const void*", np.uint64),
+    "out": ("void*", np.uint64),
     "i32": ("int", np.int32),
     "i64": ("long long", np.int64),
     "f32": ("float", np.float32),
@@ -26,6 +28,11 @@ class ParamsStruct:
         self.fields = tuple(fields)
         self.dtype = np.dtype([(n, _KINDS[k][1]) for n, k in fields], align=True)
         self._names = tuple(n for n, _ in fields)
+        pointers = [k in ("ptr", "out") for _, k in fields]
+        # The pointers lead the struct: the launch path packs a call's pointers in front of
+        # the static bytes its plan holds (tail()).
+        self.num_pointers = pointers.index(False) if False in pointers else len(pointers)
+        assert not any(pointers[self.num_pointers:]), f"{cpp_name}: pointers must come first"
 
     def pack(self, **values) -> np.void:
         """One structured scalar holding every field (all must be given): the launch argument."""
@@ -34,6 +41,14 @@ class ParamsStruct:
             missing = sorted(set(self._names) - values.keys())
             raise KeyError(f"{self.cpp_name}: missing fields {missing}, unknown {unknown}")
         return np.array(tuple([values[n] for n in self._names]), dtype=self.dtype)[()]
+
+    def pointer_names(self) -> tuple[str, ...]:
+        return self._names[:self.num_pointers]
+
+    def tail(self, **values) -> bytes:
+        """The bytes of the struct after its leading pointers (every other field given)."""
+        zeros = dict.fromkeys(self.pointer_names(), 0)
+        return self.pack(**zeros, **values).tobytes()[8 * self.num_pointers:]
 
     def layout_asserts(self) -> str:
         """C++ static_asserts that the struct's size and every field's size match this dtype.

@@ -1,9 +1,10 @@
 """Variant keys: the only description of a compiled kernel.
 
-A variant is a frozen dataclass holding exactly the knobs that change code generation.
-``key.name`` is its exported ``extern "C"`` symbol (what profilers show), and
-``key.source()`` is the whole translation unit NVRTC sees: the kernel's header plus a
-generated entry point that instantiates the header's template with the key's values.
+A variant is a frozen dataclass holding exactly the knobs that change code generation: pure
+data, every field given by the tuning layer (``cuattn.tuning``) that chose it. ``key.name``
+is its exported ``extern "C"`` symbol (what profilers show), and ``key.source()`` is the
+whole translation unit NVRTC sees: the kernel's header plus a generated entry point that
+instantiates the kernel template with one traits type built from the key's values.
 """
 from __future__ import annotations
 
@@ -20,25 +21,40 @@ class Variant:
 
     op: ClassVar[str]                 # short op name, the first part of the symbol
     header: ClassVar[str]             # kernel header under cuda_src/
-    kernel_template: ClassVar[str]    # C++ __device__ function template the entry calls
+    kernel: ClassVar[str]             # C++ __device__ function template: kernel<Traits>(params)
+    traits: ClassVar[str]             # C++ traits template the key's values instantiate
     params: ClassVar[ParamsStruct]    # the single by-value kernel argument
+    # Whether Traits::SMEM_BYTES is the kernel's dynamic shared memory: the entry point then
+    # pins dynamic_smem_bytes (Python's value) to it with a static_assert.
+    smem_from_traits: ClassVar[bool] = False
 
     # -- what a subclass provides -------------------------------------------------------
     def name_parts(self) -> tuple[str, ...]:
         """Readable pieces of the symbol after the op, e.g. ("bf16", "hd128")."""
         raise NotImplementedError
 
-    def template_args(self) -> tuple:
-        """C++ template arguments, in the order of ``kernel_template``'s parameters."""
+    def traits_args(self) -> tuple:
+        """C++ template arguments of ``traits``, in order."""
         raise NotImplementedError
 
     @property
     def num_threads(self) -> int:
-        raise NotImplementedError
+        """Threads per block: the key's ``threads`` field unless the subclass derives it."""
+        return self.threads
+
+    @property
+    def min_blocks(self) -> int | None:
+        """The second argument of ``__launch_bounds__`` (None: the plain form)."""
+        return None
 
     @property
     def dynamic_smem_bytes(self) -> int:
         return 0
+
+    def target_arch(self, device_arch: str) -> str:
+        """The architecture to compile for on a device of ``device_arch`` (``sm_XY``): the
+        device's own, unless the kernel needs an arch-specific target such as ``sm_90a``."""
+        return device_arch
 
     # -- derived ------------------------------------------------------------------------
     @property
@@ -46,13 +62,19 @@ class Variant:
         return f"cuattn_{self.op}__" + "_".join(self.name_parts())
 
     def source(self) -> str:
-        args = ", ".join(_cpp_literal(a) for a in self.template_args())
+        args = ", ".join(_cpp_literal(a) for a in self.traits_args())
+        bounds = str(self.num_threads) if self.min_blocks is None else \
+            f"{self.num_threads}, {self.min_blocks}"
+        smem = (f"static_assert(Traits::SMEM_BYTES == {self.dynamic_smem_bytes}, "
+                f"\"{self.name}: shared memory differs from its Python value\");\n"
+                if self.smem_from_traits else "")
         return (
             f'#include "{self.header}"\n'
             f"namespace cuattn {{\n{self.params.layout_asserts()}\n}}\n"
-            f'extern "C" __global__ void __launch_bounds__({self.num_threads})\n'
-            f"{self.name}(const cuattn::{self.params.cpp_name} params) {{\n"
-            f"  cuattn::{self.kernel_template}<{args}>(params);\n"
+            f"namespace {{\nusing Traits = cuattn::{self.traits}<{args}>;\n{smem}}}\n"
+            f'extern "C" __global__ void __launch_bounds__({bounds})\n'
+            f"{self.name}(const __grid_constant__ cuattn::{self.params.cpp_name} params) {{\n"
+            f"  cuattn::{self.kernel}<Traits>(params);\n"
             f"}}\n"
         )
 

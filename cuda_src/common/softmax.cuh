@@ -1,6 +1,7 @@
-// The online-softmax state shared by every kernel: a running (max, sum) pair, its
-// merge (Milakov & Gimelshein 2018, "Online normalizer calculation for softmax"; the
-// FlashAttention rescale), and the log-sum-exp conventions at the API boundary.
+// The online-softmax state of one row and the merge of two states (Milakov & Gimelshein
+// 2018, "Online normalizer calculation for softmax"; the rescale of FlashAttention). Every
+// softmax of every kernel, and every combine of partial results (split-KV, paged v2
+// partitions, merge_attn_states), is written with SoftmaxState.
 #pragma once
 
 namespace cuattn {
@@ -17,9 +18,76 @@ __device__ __forceinline__ float empty_as_neg_inf(float lse) {
   return isinf(lse) ? neg_inf() : lse;
 }
 
-// exp(x - max) that is 0, not NaN, when both are -inf (every input empty).
-__device__ __forceinline__ float exp_minus(float x, float max) {
-  return max == neg_inf() ? 0.f : __expf(x - max);
-}
+// Units. A state holds logits in the caller's units, and `scale` turns them into powers of
+// two: a logit x weighs exp2(scale * x) before normalisation. Kernels pass
+//   scale = softmax_scale * log2(e)  for raw scores (flash_fwd),
+//   scale = 1                        for scores already scaled to log2 units (paged), and
+//   scale = kLog2e                   for natural-log lse values (the combines),
+// and a constant scale folds away.
+//
+// State: `max` is the largest logit seen (-inf: none yet) and `sum` the sum of
+// exp2(scale * (x - max)) over the logits seen. A kernel may spread one row over several
+// threads, each holding a part of `sum` under the common `max`, and add the parts at the
+// end. The accumulator of the row's output (sum of weight * value) lives with the caller;
+// every function that moves `max` returns the factor by which the caller rescales it.
+struct SoftmaxState {
+  float max;
+  float sum;
+
+  static __device__ __forceinline__ SoftmaxState empty() { return {neg_inf(), 0.f}; }
+
+  // The subtrahend of exp2 for a row whose max is m: scale * m, or 0 while m is -inf, so
+  // that -inf - -inf is never formed (every logit is -inf then, and weighs exp2(-inf) = 0).
+  // MAY_BE_EMPTY = false drops the test where the caller knows m is finite.
+  template <bool MAY_BE_EMPTY = true>
+  static __device__ __forceinline__ float base(float m, float scale) {
+    if constexpr (MAY_BE_EMPTY) return m == neg_inf() ? 0.f : m * scale;
+    return m * scale;
+  }
+
+  // The weight of logit x against base b (from base()): exp2(scale * x - b).
+  static __device__ __forceinline__ float weight(float x, float scale, float b) {
+    return exp2f(fmaf(x, scale, -b));
+  }
+
+  // Move the max to m_new (>= max) whose base is b: returns alpha, the factor that rescales
+  // everything accumulated so far (sum here, the caller's accumulator likewise); 0 while
+  // the old max was -inf.
+  __device__ __forceinline__ float rescale(float m_new, float scale, float b) {
+    const float alpha = weight(max, scale, b);
+    max = m_new;
+    sum *= alpha;
+    return alpha;
+  }
+
+  // The same when m_new is known to be finite (the row has seen a logit): no base needed.
+  __device__ __forceinline__ float rescale_finite(float m_new, float scale) {
+    const float alpha = exp2f((max - m_new) * scale);
+    max = m_new;
+    sum *= alpha;
+    return alpha;
+  }
+
+  // Fold in the state of disjoint logits: w_self and w_other rescale the two accumulators
+  // (acc = w_self * acc + w_other * other_acc). An empty side weighs 0.
+  __device__ __forceinline__ void merge(const SoftmaxState& other, float scale, float& w_self,
+                                        float& w_other) {
+    const float m = fmaxf(max, other.max);
+    const float b = base(m, scale);
+    w_self = weight(max, scale, b);
+    w_other = weight(other.max, scale, b);
+    max = m;
+    sum = fmaf(other.sum, w_other, sum * w_self);
+  }
+
+  // The normaliser of the accumulator: 1 / sum, or 0 for a row that saw nothing (zeros out).
+  __device__ __forceinline__ float inv_sum() const { return sum > 0.f ? 1.f / sum : 0.f; }
+
+  // The natural-log log-sum-exp of the row, -inf for a row that saw nothing. (scale * kLn2
+  // folds to 1 for natural-log units, so an lse merged from lse values stays exact.)
+  __device__ __forceinline__ float lse(float scale) const {
+    return sum > 0.f ? fmaf(max, scale * kLn2, __log2f(sum) * kLn2) : neg_inf();
+  }
+};
 
 }  // namespace cuattn

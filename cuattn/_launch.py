@@ -1,0 +1,198 @@
+"""The one launch path of every op: a plan per call signature, then pointers and launches.
+
+Everything an op validates about a call depends only on its *signature*: the shape, strides,
+dtype and device of each array argument, and the scalar options. The first call of a
+signature runs every check and builds a Plan (the kernels, grids, the static bytes of each
+params struct, the outputs to allocate); a later call with the same signature looks the
+plan up, reads the data pointers, checks their alignment (the one property of an array
+that the signature does not fix), allocates the outputs and scratch on the launch stream
+and device, packs the pointers in front of each launch's static bytes and launches. No
+value inside an array is ever read on the host.
+
+An op calls ``plan_for(cache, arrays, names, scalars, build, stream, required)``, whose
+``build`` runs the op's checks (raising the argument errors) on a miss, then
+``execute(plan, arrays, stream)``.
+"""
+from __future__ import annotations
+
+import operator
+import struct
+from dataclasses import dataclass, field
+
+import cupy
+import numpy as np
+
+from . import _arrays as A
+
+_PLAN_CACHE_MAX = 512
+_caches: list[dict] = []   # every op's plan cache, so that tuning overrides can drop them
+
+
+def plan_cache() -> dict:
+    """A new plan cache for one op (a dict from signature to Plan)."""
+    cache: dict = {}
+    _caches.append(cache)
+    return cache
+
+
+def clear_plans() -> None:
+    for cache in _caches:
+        cache.clear()
+
+
+_nd = cupy.ndarray
+
+
+def signature(arrays: tuple, scalars: tuple):
+    """Hashable description of a call, or None when an argument is not a cupy.ndarray
+    (the op then converts its arguments and asks again)."""
+    sig = []
+    for a in arrays:
+        if a is None:
+            sig.append(None)
+        elif type(a) is _nd:
+            sig.append((a.shape, a.strides, a.dtype.num, a.data.device_id))
+        else:
+            return None
+    sig.append(scalars)
+    return tuple(sig)
+
+
+NULL = 0   # the pointer slot that holds a null pointer (Slots)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch of a plan: ``kernel(grid, block, (params,))`` where params is the
+    struct whose leading pointers are the plan's slots ``slots`` and whose rest is ``tail``."""
+    kernel: object
+    grid: tuple
+    block: tuple
+    smem: int
+    dtype: np.dtype                   # the params struct
+    slots: tuple[int, ...]            # one per leading pointer field
+    tail: bytes
+    _pick: object = field(init=False, repr=False, compare=False)
+    _pack: object = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        pick = operator.itemgetter(*self.slots)
+        if len(self.slots) == 1:
+            object.__setattr__(self, "_pick", lambda ptrs: (pick(ptrs),))
+        else:
+            object.__setattr__(self, "_pick", pick)
+        object.__setattr__(self, "_pack", struct.Struct(f"<{len(self.slots)}Q").pack)
+
+    def params(self, ptrs: list) -> np.void:
+        return np.frombuffer(self._pack(*self._pick(ptrs)) + self.tail, self.dtype)[0]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a call of one signature does, with every check already passed."""
+    device_id: int
+    align: tuple[tuple[int, int], ...]          # (argument index, bytes) its pointer needs
+    outputs: tuple[tuple[tuple, np.dtype], ...]  # (shape, dtype) of each allocated output
+    scratch: tuple[int, ...] = ()               # byte offsets of the scratch parts
+    scratch_bytes: int = 0
+    launches: tuple[Launch, ...] = ()
+    # What the call returns: indices into (arguments..., allocated outputs...); one index
+    # returns that array, several a tuple, none returns None.
+    result: tuple[int, ...] = ()
+
+
+class Slots:
+    """Pointer slots of a call with ``num_args`` array arguments and ``num_outputs``
+    allocated outputs: slot 0 is null, then the arguments, the outputs, the scratch parts."""
+
+    def __init__(self, num_args: int, num_outputs: int):
+        self.num_args, self.num_outputs = num_args, num_outputs
+
+    def arg(self, i: int) -> int:
+        return 1 + i
+
+    def output(self, i: int) -> int:
+        return 1 + self.num_args + i
+
+    def scratch(self, part: int) -> int:
+        return 1 + self.num_args + self.num_outputs + part
+
+
+def plan_for(cache: dict, arrays: tuple, names: tuple, scalars: tuple, build, stream,
+             required: int):
+    """(plan, arrays, stream) of a call: the cached plan of its signature, or ``build(arrays)``,
+    which runs every check of the op (raising on a bad input) and returns the new plan.
+    The first ``required`` arrays must be given (the rest may be None); arrays of other
+    libraries are viewed as cupy arrays (``arrays`` returned) without a copy; ``stream`` is
+    returned resolved (None: CuPy's current stream)."""
+    if stream is not None:
+        stream = A.resolve_stream(stream)
+    plan, sig = _cached(cache, arrays, scalars)
+    if plan is not None and _aligned(plan, arrays):
+        return plan, arrays, stream
+    arrays = tuple(None if a is None and i >= required else A.as_device_array(a, n)
+                   for i, (a, n) in enumerate(zip(arrays, names)))
+    if sig is None:
+        plan, sig = _cached(cache, arrays, scalars)
+        if plan is not None and _aligned(plan, arrays):
+            return plan, arrays, stream
+    plan = build(arrays)
+    if sig is not None:
+        if len(cache) >= _PLAN_CACHE_MAX:
+            cache.clear()
+        cache[sig] = plan
+    return plan, arrays, stream
+
+
+def _cached(cache: dict, arrays: tuple, scalars: tuple):
+    """(plan or None, signature or None)."""
+    try:
+        sig = signature(arrays, scalars)
+        return (cache.get(sig) if sig is not None else None), sig
+    except TypeError:          # an unhashable scalar: the op's checks say what is wrong
+        return None, None
+
+
+def _aligned(plan: Plan, arrays: tuple) -> bool:
+    for i, nbytes in plan.align:
+        if arrays[i].data.ptr % nbytes:
+            return False
+    return True
+
+
+def execute(plan: Plan, arrays: tuple, stream):
+    """Allocate the outputs and scratch on the launch stream (resolved by plan_for; None:
+    the current one) and device, pack, launch."""
+    if stream is not None:
+        if stream.ptr != cupy.cuda.get_current_stream().ptr or \
+                cupy.cuda.runtime.getDevice() != plan.device_id:
+            with cupy.cuda.Device(plan.device_id), stream:
+                return _run(plan, arrays, stream)
+        return _run(plan, arrays, stream)
+    if cupy.cuda.runtime.getDevice() != plan.device_id:
+        with cupy.cuda.Device(plan.device_id):
+            return _run(plan, arrays, None)
+    return _run(plan, arrays, None)
+
+
+def _run(plan: Plan, arrays: tuple, stream):
+    outs = [cupy.empty(shape, dtype=dtype) for shape, dtype in plan.outputs]
+    if plan.launches:
+        ptrs = [0]
+        ptrs += [0 if a is None else a.data.ptr for a in arrays]
+        ptrs += [o.data.ptr for o in outs]
+        if plan.scratch:
+            scratch = cupy.cuda.alloc(plan.scratch_bytes)
+            s = stream if stream is not None else cupy.cuda.get_current_stream()
+            A.keep_if_capturing(s, scratch)
+            ptrs += [scratch.ptr + off for off in plan.scratch]
+        for launch in plan.launches:
+            launch.kernel(launch.grid, launch.block, (launch.params(ptrs),), stream=stream,
+                          shared_mem=launch.smem)
+    result = plan.result
+    if not result:
+        return None
+    everything = arrays + tuple(outs) if outs else arrays
+    if len(result) == 1:
+        return everything[result[0]]
+    return tuple(everything[i] for i in result)

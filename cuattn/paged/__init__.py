@@ -1,0 +1,15 @@
+"""Decode over a paged KV cache, vLLM-style: paged_attention, reshape_and_cache and
+paged_kv_cache_shapes.
+
+layout.py: the cache layouts and their checks; forms.py: the two forms of the decode kernel
+(tensor cores, CUDA cores) behind one interface; attention.py: paged_attention;
+reshape.py: reshape_and_cache.
+"""
+from __future__ import annotations
+
+from .attention import auto_version, paged_attention
+from .layout import BLOCK_SIZES, HEAD_SIZES, paged_kv_cache_shapes
+from .reshape import reshape_and_cache
+
+__all__ = ["BLOCK_SIZES", "HEAD_SIZES", "auto_version", "paged_attention",
+           "paged_kv_cache_shapes", "reshape_and_cache"]

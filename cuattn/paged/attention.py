@@ -1,0 +1,199 @@
+"""paged_attention: decode attention of one query token per sequence over a paged KV cache.
+
+One thread block serves ``group`` query heads of one KV head (the largest divisor of the
+GQA ratio up to tuning.PAGED_MAX_GROUP), so each K/V byte leaves memory once per group.
+v1: one block per (head group, sequence); v2: one per (head group, sequence, partition) and
+a reduce kernel. Calls go through cuattn._launch: the checks below run once per signature;
+values inside the arrays (seq_lens, block_tables) are never read on the host.
+"""
+from __future__ import annotations
+
+import cupy
+import numpy as np
+
+from .. import _arrays as A
+from .. import tuning
+from .._dtypes import activation_dtype
+from .._launch import NULL, Launch, Plan, Slots, execute, plan_cache, plan_for
+from ..jit import get_kernel
+from ..variants import PAGED_PARAMS, PAGED_REDUCE_PARAMS
+from .forms import form_for
+from .layout import HEAD_SIZES, check_caches, check_scale
+
+_plans = plan_cache()
+_NAMES = ("q", "k_cache", "v_cache", "block_tables", "seq_lens", "alibi_slopes", "out")
+_Q_DOC = "(num_seqs, nheads, head_size)"
+
+
+def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, *, softmax_scale=None,
+                    k_scale=1.0, v_scale=1.0, alibi_slopes=None, version="auto",
+                    partition_size=None, return_lse=False, out=None, stream=None):
+    """Decode attention of one query token per sequence over a paged KV cache.
+
+    q: (num_seqs, nheads, head_size) float16 / bfloat16.
+    k_cache: (num_blocks, nheads_kv, head_size // x, block_size, x), x = 16 // itemsize.
+    v_cache: (num_blocks, nheads_kv, head_size, block_size). Same dtype as q, or fp8 e4m3
+        (ml_dtypes.float8_e4m3fn or uint8) dequantised as value * k_scale / v_scale (the
+        scales are ignored for 16-bit caches, as in vLLM).
+    block_tables: int32 (num_seqs, max_blocks_per_seq); seq_lens: int32 (num_seqs,). A
+        sequence longer than max_blocks_per_seq * block_size is clamped to that.
+    alibi_slopes: float32 (nheads,) or None; bias slope * (j - seq_len + 1) on key j.
+    version: "v1", "v2" or "auto"; partition_size: v2's tokens per thread block, one of
+        128 / 256 / 512 / 1024, or None: the tuning rule's choice (cuattn.tuning).
+    Returns out (like q), or (out, lse) with lse float32 (nheads, num_seqs), natural log,
+    -inf for an empty sequence: the layout cuattn.merge_attn_states takes.
+    """
+    options = (softmax_scale, k_scale, v_scale, version, partition_size, return_lse)
+    plan, arrays, stream = plan_for(
+        _plans, (q, k_cache, v_cache, block_tables, seq_lens, alibi_slopes, out), _NAMES, options,
+        lambda arrays: _plan(arrays, *options), stream, 5)
+    return execute(plan, arrays, stream)
+
+
+def auto_version(q_shape, cache_dtype, nheads_kv: int, block_size: int, max_blocks_per_seq: int,
+                 *, alibi: bool = False, partition_size: int | None = None,
+                 device_id: int = 0) -> str:
+    """What version="auto" runs for these shapes ("v1" or "v2 p<partition>"); for
+    benchmarks and tests."""
+    num_seqs, num_heads, head_size = q_shape
+    group = tuning.paged_group(num_heads // nheads_kv)
+    dt = np.dtype(cache_dtype)
+    cache = "e4m3" if dt.itemsize == 1 else ("f16" if dt == np.float16 else "bf16")
+    form = form_for(cache, head_size, group)
+    key = form.variant("f16" if cache == "e4m3" else cache, cache, head_size, block_size,
+                       group, 0, alibi)
+    version, ps = form.choose("auto", partition_size, (num_heads // group) * num_seqs,
+                              max_blocks_per_seq * block_size, device_id, key)
+    return version if version == "v1" else f"v2 p{ps}"
+
+
+def _check_1d_device_array(x, dtype, shape, name, doc):
+    A.check_dtype(x, dtype, name)
+    A.check_shape(x, shape, name, doc)
+    A.check_last_dim_contiguous(x, name)
+    A.check_aligned(x, 4, name)
+
+
+def _plan(arrays, softmax_scale, k_scale, v_scale, version, partition_size, return_lse) -> Plan:
+    """Every check of paged_attention (raising before any launch) -> its Plan."""
+    q, k_cache, v_cache, block_tables, seq_lens, alibi_slopes, out = arrays
+    A.check_ndim(q, 3, "q", _Q_DOC)
+    dtype = activation_dtype(q.dtype, "q")
+    num_seqs, num_heads, head_size = q.shape
+    if head_size not in HEAD_SIZES:
+        raise ValueError(f"q: head_size {head_size} is not supported; expected one of {HEAD_SIZES}")
+    if num_seqs > 65535:
+        raise ValueError(f"q: num_seqs {num_seqs} is more than one launch's 65535 "
+                         "(a grid dimension); split the batch")
+    A.check_last_dim_contiguous(q, "q")
+    info = check_caches(k_cache, v_cache, dtype, head_size)
+    if num_heads == 0:
+        raise ValueError(f"q: expected at least one head, got shape {tuple(q.shape)}")
+    if info.num_kv_heads == 0 or num_heads % info.num_kv_heads:
+        raise ValueError(f"q: nheads {num_heads} is not a multiple of the caches' nheads_kv "
+                         f"{info.num_kv_heads}")
+    A.check_ndim(block_tables, 2, "block_tables", "(num_seqs, max_blocks_per_seq)")
+    A.check_dtype(block_tables, np.int32, "block_tables")
+    if block_tables.shape[0] != num_seqs:
+        raise ValueError(f"block_tables: expected {num_seqs} rows (num_seqs), got shape "
+                         f"{tuple(block_tables.shape)}")
+    A.check_last_dim_contiguous(block_tables, "block_tables")
+    A.check_aligned(block_tables, 4, "block_tables")
+    _check_1d_device_array(seq_lens, np.int32, (num_seqs,), "seq_lens", "(num_seqs,)")
+    if alibi_slopes is not None:
+        _check_1d_device_array(alibi_slopes, np.float32, (num_heads,), "alibi_slopes",
+                               "(nheads,)")
+    if not isinstance(version, str) or version not in ("auto", "v1", "v2"):
+        raise ValueError(f"version: expected 'auto', 'v1' or 'v2', got {version!r}")
+    if partition_size is not None:
+        if partition_size not in tuning.PAGED_PARTITION_SIZES or isinstance(partition_size, bool):
+            raise ValueError(f"partition_size: expected None or one of "
+                             f"{tuning.PAGED_PARTITION_SIZES}, got {partition_size!r}")
+        partition_size = int(partition_size)
+    k_scale = check_scale(k_scale, "k_scale")
+    v_scale = check_scale(v_scale, "v_scale")
+    if info.cache != "e4m3":
+        k_scale = v_scale = 1.0
+    softmax_scale = A.check_softmax_scale(softmax_scale, head_size, k_scale)
+    device_id = q.device.id
+    A.check_same_device({"k_cache": k_cache, "v_cache": v_cache, "block_tables": block_tables,
+                         "seq_lens": seq_lens, "alibi_slopes": alibi_slopes}, device_id)
+    if out is not None:
+        A.check_shape(out, q.shape, "out", _Q_DOC)
+        A.check_dtype(out, q.dtype, "out")
+        A.check_last_dim_contiguous(out, "out")
+        A.check_same_device({"out": out}, device_id)
+
+    gqa = num_heads // info.num_kv_heads
+    group = tuning.paged_group(gqa)
+    max_blocks = block_tables.shape[1]
+    max_context = max_blocks * info.block_size
+    alibi = alibi_slopes is not None
+    return_lse = bool(return_lse)
+    outputs = ([] if out is not None else [(tuple(q.shape), q.dtype)]) + \
+        ([((num_heads, num_seqs), np.dtype(np.float32))] if return_lse else [])
+    slots = Slots(len(arrays), len(outputs))
+    out_slot = slots.arg(6) if out is not None else slots.output(0)
+    lse_slot = slots.output(len(outputs) - 1) if return_lse else NULL
+    result = (6 if out is not None else len(arrays),) + \
+        ((len(arrays) + len(outputs) - 1,) if return_lse else ())
+    align = ((1, 16), (2, info.v_align), (3, 4), (4, 4)) + ((5, 4),) * alibi
+    common = dict(device_id=device_id, align=align, outputs=tuple(outputs), result=result)
+
+    form = form_for(info.cache, head_size, group)
+    with cupy.cuda.Device(device_id):
+        v1_key = form.variant(dtype.short, info.cache, head_size, info.block_size, group, 0, alibi)
+        version, partition_size = form.choose(version, partition_size,
+                                              (num_heads // group) * num_seqs, max_context,
+                                              device_id, v1_key)
+        v1 = form.v1_launch(v1_key, max_context, device_id) if version == "v1" else None
+        if num_seqs == 0:
+            return Plan(**common)
+        # out strides: the given out's, or those of the contiguous array allocated
+        o_seq, o_head = A.element_strides(out)[:2] if out is not None else \
+            (num_heads * head_size, head_size)
+        l_head, l_seq = (num_seqs, 1) if return_lse else (0, 0)
+        qs = A.element_strides(q)
+        fields = dict(
+            q_stride_seq=qs[0], q_stride_head=qs[1], **info.strides(k_cache, v_cache),
+            bt_stride_seq=block_tables.strides[0] // 4,
+            scale_log2=softmax_scale * k_scale * A.LOG2E, v_scale=v_scale,
+            num_seqs=num_seqs, num_heads=num_heads, gqa_ratio=gqa, max_blocks_per_seq=max_blocks)
+        inputs = (slots.arg(0), slots.arg(1), slots.arg(2), slots.arg(3), slots.arg(4),
+                  slots.arg(5) if alibi else NULL)
+        grid_x = num_heads // group
+
+        if version == "v1":
+            kernel, smem, logits_stride = v1
+            tail = PAGED_PARAMS.tail(out_stride_seq=o_seq, out_stride_head=o_head,
+                                     lse_stride_head=l_head, lse_stride_seq=l_seq, max_parts=1,
+                                     logits_stride=logits_stride, **fields)
+            launch = Launch(kernel, (grid_x, num_seqs, 1), (v1_key.num_threads,), smem,
+                            PAGED_PARAMS.dtype, (out_slot, lse_slot, NULL, NULL) + inputs, tail)
+            return Plan(**common, launches=(launch,))
+
+        key = form.variant(dtype.short, info.cache, head_size, info.block_size, group,
+                           partition_size, alibi)
+        rkey = tuning.paged_reduce_variant(dtype.short, head_size)
+        max_parts = max(1, -(-max_context // partition_size))
+        tmp_out_bytes = num_seqs * num_heads * max_parts * head_size * 4   # a multiple of 16
+        tmp_lse_bytes = num_seqs * num_heads * max_parts * 4
+        tmp_out, tmp_lse = slots.scratch(0), slots.scratch(1)
+        tail = PAGED_PARAMS.tail(out_stride_seq=0, out_stride_head=0, lse_stride_head=0,
+                                 lse_stride_seq=0, max_parts=max_parts,
+                                 logits_stride=form.logits_stride(key), **fields)
+        rtail = PAGED_REDUCE_PARAMS.tail(out_stride_seq=o_seq, out_stride_head=o_head,
+                                         lse_stride_head=l_head, lse_stride_seq=l_seq,
+                                         num_heads=num_heads, max_parts=max_parts,
+                                         partition_size=partition_size, max_seq_len=max_context)
+        launches = []
+        if max_context > 0:     # else every sequence is empty: the reduce writes zeros alone
+            launches.append(Launch(get_kernel(key, device_id), (grid_x, num_seqs, max_parts),
+                                   (key.num_threads,), key.dynamic_smem_bytes,
+                                   PAGED_PARAMS.dtype, (NULL, NULL, tmp_out, tmp_lse) + inputs,
+                                   tail))
+        launches.append(Launch(get_kernel(rkey, device_id), (num_heads, num_seqs),
+                               (rkey.num_threads,), 0, PAGED_REDUCE_PARAMS.dtype,
+                               (out_slot, lse_slot, tmp_out, tmp_lse, slots.arg(4)), rtail))
+    return Plan(**common, scratch=(0, tmp_out_bytes), scratch_bytes=tmp_out_bytes + tmp_lse_bytes,
+                launches=tuple(launches))

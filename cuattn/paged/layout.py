@@ -1,0 +1,116 @@
+"""vLLM's paged KV cache layouts, their shapes and the checks every paged op shares.
+
+K cache (num_blocks, nheads_kv, head_size // x, block_size, x) with x = 16 // itemsize: the
+x elements (16 bytes) of one token are contiguous, then the same 16 bytes of the next token
+of the block. V cache (num_blocks, nheads_kv, head_size, block_size).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import _arrays as A
+from .._dtypes import BY_SHORT, FP8_E4M3, UINT8_E4M3
+
+HEAD_SIZES = (64, 80, 96, 112, 120, 128, 192, 256)
+BLOCK_SIZES = (8, 16, 32)
+K_DOC = "(num_blocks, nheads_kv, head_size // x, block_size, x)"
+V_DOC = "(num_blocks, nheads_kv, head_size, block_size)"
+
+
+@dataclass(frozen=True)
+class CacheInfo:
+    cache: str            # short dtype name of the cache: the activation's, or e4m3
+    num_kv_heads: int
+    head_size: int
+    block_size: int
+    v_align: int          # bytes the V cache's base address needs (K: 16)
+
+    def strides(self, k_cache, v_cache) -> dict:
+        """Element strides of the two caches, as the params structs name them."""
+        ks, vs = A.element_strides(k_cache), A.element_strides(v_cache)
+        return dict(k_stride_block=ks[0], k_stride_head=ks[1], k_stride_x=ks[2],
+                    k_stride_token=ks[3], v_stride_block=vs[0], v_stride_head=vs[1],
+                    v_stride_dim=vs[2])
+
+
+def cache_dtype(x, name: str, q_dtype) -> str:
+    """Short name of a cache dtype: the activation dtype itself, or e4m3 (float8_e4m3fn/uint8)."""
+    if x.dtype == FP8_E4M3.numpy or x.dtype == UINT8_E4M3.numpy:
+        return "e4m3"
+    if x.dtype == q_dtype.numpy:
+        return q_dtype.short
+    raise TypeError(f"{name}: dtype {x.dtype} is not supported; expected the query's dtype "
+                    f"({q_dtype.numpy}), ml_dtypes.float8_e4m3fn or uint8 (fp8 e4m3)")
+
+
+def check_scale(value, name: str) -> float:
+    try:
+        f = float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name}: expected a Python float, got {type(value).__name__}") from None
+    if not (math.isfinite(f) and f > 0):
+        raise ValueError(f"{name}: expected a positive finite float, got {value!r}")
+    return f
+
+
+def check_caches(k_cache, v_cache, q_dtype, head_size=None) -> CacheInfo:
+    A.check_ndim(k_cache, 5, "k_cache", K_DOC)
+    A.check_ndim(v_cache, 4, "v_cache", V_DOC)
+    cache = cache_dtype(k_cache, "k_cache", q_dtype)
+    if v_cache.dtype != k_cache.dtype:
+        raise TypeError(f"v_cache: dtype {v_cache.dtype} differs from k_cache's {k_cache.dtype}")
+    x = 16 // k_cache.itemsize
+    num_blocks, nkv, ngroups, block_size, kx = k_cache.shape
+    if kx != x:
+        raise ValueError(f"k_cache: the last dimension must be x = 16 // itemsize = {x} "
+                         f"for {k_cache.dtype}, got shape {tuple(k_cache.shape)} {K_DOC}")
+    hs = ngroups * x
+    if head_size is not None and hs != head_size:
+        raise ValueError(f"k_cache: head_size {hs} (= shape[2] * x) differs from the "
+                         f"query's {head_size}")
+    if hs not in HEAD_SIZES:
+        raise ValueError(f"k_cache: head_size {hs} is not supported; expected one of {HEAD_SIZES}")
+    if block_size not in BLOCK_SIZES:
+        raise ValueError(f"k_cache: block_size {block_size} is not supported; "
+                         f"expected one of {BLOCK_SIZES}")
+    A.check_shape(v_cache, (num_blocks, nkv, hs, block_size), "v_cache", V_DOC)
+    A.check_last_dim_contiguous(k_cache, "k_cache")
+    A.check_last_dim_contiguous(v_cache, "v_cache")
+    v_align = min(16, block_size * v_cache.itemsize)
+    A.check_aligned(k_cache, 16, "k_cache")
+    A.check_aligned(v_cache, v_align, "v_cache")
+    return CacheInfo(cache, nkv, hs, block_size, v_align)
+
+
+def paged_kv_cache_shapes(num_blocks: int, nheads_kv: int, head_size: int, block_size: int,
+                          dtype) -> tuple[tuple, tuple]:
+    """(k_cache_shape, v_cache_shape) of a paged cache of ``dtype`` elements.
+
+    K: (num_blocks, nheads_kv, head_size // x, block_size, x) with x = 16 // itemsize;
+    V: (num_blocks, nheads_kv, head_size, block_size).
+    """
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"dtype: {dtype!r} is not a dtype; expected float16, "
+                        "ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn or uint8") from None
+    if dt not in (np.dtype(np.float16), BY_SHORT["bf16"].numpy, FP8_E4M3.numpy, UINT8_E4M3.numpy):
+        raise TypeError(f"dtype: {dt} is not supported; expected float16, ml_dtypes.bfloat16, "
+                        "ml_dtypes.float8_e4m3fn or uint8")
+    for name, v in (("num_blocks", num_blocks), ("nheads_kv", nheads_kv),
+                    ("head_size", head_size), ("block_size", block_size)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
+            raise ValueError(f"{name}: expected a non-negative int, got {v!r}")
+    if head_size not in HEAD_SIZES:
+        raise ValueError(f"head_size: {head_size} is not supported; expected one of {HEAD_SIZES}")
+    if block_size not in BLOCK_SIZES:
+        raise ValueError(f"block_size: {block_size} is not supported; expected one of {BLOCK_SIZES}")
+    x = 16 // dt.itemsize
+    if head_size % x:
+        raise ValueError(f"head_size: {head_size} is not a multiple of x = {x} "
+                         f"(16-byte vectors of {dt})")
+    return ((int(num_blocks), int(nheads_kv), head_size // x, block_size, x),
+            (int(num_blocks), int(nheads_kv), head_size, block_size))

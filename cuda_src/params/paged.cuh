@@ -1,0 +1,51 @@
+// Parameters of the paged decode kernels (both forms, cuda_src/paged_attention.cuh and
+// paged_attention_mma.cuh) and of their partition reduce (cuda_src/paged_reduce.cuh).
+// Mirrored by cuattn.variants.PAGED_PARAMS / PAGED_REDUCE_PARAMS; every generated entry
+// point static_asserts the size of each field, and tests/test_jit.py compares the offsets.
+#pragma once
+
+namespace cuattn {
+
+// Strides are in elements. X = 16 / sizeof(CACHE_T) (vLLM's x-major K layout).
+struct PagedParams {
+  void* out;                 // [num_seqs, num_heads, HEAD_SIZE]                 T (v1)
+  void* lse;                 // [num_heads, num_seqs]                            float (v1, may be null)
+  void* tmp_out;             // [num_seqs, num_heads, max_parts, HEAD_SIZE]      float (v2)
+  void* tmp_lse;             // [num_seqs, num_heads, max_parts]                 float (v2)
+  const void* q;             // [num_seqs, num_heads, HEAD_SIZE]                 T
+  const void* k_cache;       // [num_blocks, num_kv_heads, HEAD_SIZE / X, BLOCK_SIZE, X]  CACHE_T
+  const void* v_cache;       // [num_blocks, num_kv_heads, HEAD_SIZE, BLOCK_SIZE]         CACHE_T
+  const void* block_tables;  // [num_seqs, max_blocks_per_seq]                   int32
+  const void* seq_lens;      // [num_seqs]                                       int32
+  const void* alibi_slopes;  // [num_heads]                                      float (ALIBI only)
+  long long q_stride_seq, q_stride_head;
+  long long out_stride_seq, out_stride_head;
+  long long lse_stride_head, lse_stride_seq;
+  long long k_stride_block, k_stride_head, k_stride_x, k_stride_token;
+  long long v_stride_block, v_stride_head, v_stride_dim;
+  long long bt_stride_seq;
+  float scale_log2;          // softmax_scale * k_scale * log2(e), folded into q
+  float v_scale;             // multiplies the output (1 for 16-bit caches)
+  int num_seqs;
+  int num_heads;
+  int gqa_ratio;             // num_heads / num_kv_heads
+  int max_blocks_per_seq;    // block_tables.shape[1]: sequences are clamped to its capacity
+  int max_parts;             // v2: partitions per sequence in tmp_out / tmp_lse
+  int logits_stride;         // CUDA-core form: floats per head in the dynamic shared logits buffer
+};
+
+struct PagedReduceParams {
+  void* out;              // [num_seqs, num_heads, HEAD_SIZE]                 T
+  void* lse;              // [num_heads, num_seqs]                            float (may be null)
+  const void* tmp_out;    // [num_seqs, num_heads, max_parts, HEAD_SIZE]      float
+  const void* tmp_lse;    // [num_seqs, num_heads, max_parts]                 float, natural log
+  const void* seq_lens;   // [num_seqs]                                       int32
+  long long out_stride_seq, out_stride_head;
+  long long lse_stride_head, lse_stride_seq;
+  int num_heads;
+  int max_parts;
+  int partition_size;
+  int max_seq_len;        // max_blocks_per_seq * block_size (the clamp of the main kernel)
+};
+
+}  // namespace cuattn
