@@ -1,8 +1,12 @@
 """Shared benchmark harness: timing, the device's own ceilings, tables.
 
-Timing is ``cupyx.profiler.benchmark`` (CUDA events around each rep, after warm-up);
-we report the median GPU time. Inputs are sized well past the 60 MB L2 of an H200, or
-rotated, so the numbers are memory numbers, not cache numbers.
+Timing is by CUDA events, after warm-up, median of many reps, in one of three methods that
+are never divided by one another: kernel-only (``CupyGraph``: several calls per CUDA-graph
+replay, no Python between launches), eager back-to-back (``eager_ms``: many calls between
+two events, no sync inside) and, for the older tables, one call per rep with a sync after
+it (``median_ms`` without ``graph``). ``host_cost`` is the host's wall time per call.
+Inputs are sized well past the 60 MB L2 of an H200, or rotated, or L2 is flushed
+(``L2Flush``), so the numbers are memory numbers, not cache numbers.
 """
 from __future__ import annotations
 
@@ -16,57 +20,153 @@ from cupyx.profiler import benchmark
 L2_FLUSH_BYTES = 256 << 20
 
 
+def randn(*shape, dtype=None) -> cupy.ndarray:
+    """Standard normal values of ``shape``, drawn in float32 and cast to ``dtype`` (default
+    bfloat16), on CuPy's current stream."""
+    import ml_dtypes
+    x = cupy.random.standard_normal(shape, dtype=np.float32)
+    return x.astype(ml_dtypes.bfloat16 if dtype is None else dtype, copy=False)
+
+
 def median_ms(fn, *, n_warmup: int = 10, n_repeat: int = 50, flush_l2: bool | str = False,
               graph: int = 0) -> float:
     """Median GPU time of ``fn()`` in milliseconds.
 
     ``graph=n`` captures n back-to-back calls of ``fn`` in a CUDA graph and times its
     replays (per call): the GPU time of the kernels alone, without the Python launch
-    path in between (``fn`` must allocate nothing). ``flush_l2`` empties the L2 of
-    ``fn``'s data before every rep, outside the timed region (see ``L2Flush``): ``True``
-    or ``"clean"``, or ``"dirty"``.
+    path in between (see ``CupyGraph``). Without it, one call between two events with a
+    sync after each rep (the host launch time of a short call lands inside). ``flush_l2``
+    empties the L2 of ``fn``'s data before every rep, outside the timed region (see
+    ``L2Flush``): ``True`` or ``"clean"``, or ``"dirty"``.
     """
+    flush = L2Flush(flush_l2) if flush_l2 else None
     if graph:
-        return _graph_median_ms(fn, graph, n_warmup, n_repeat, flush_l2)
-    if not flush_l2:
+        return CupyGraph(fn, graph).median_ms(n_warmup=n_warmup, n_repeat=n_repeat, flush=flush)
+    if flush is None:
         res = benchmark(fn, n_warmup=n_warmup, n_repeat=n_repeat)
         return float(np.median(res.gpu_times[0]) * 1e3)
-    flush = L2Flush(flush_l2)
-    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    return event_median_ms(fn, cupy.cuda.Event(), cupy.cuda.Event(), cupy.cuda.get_elapsed_time,
+                           n_warmup=n_warmup, n_repeat=n_repeat, before=flush)
+
+
+def event_median_ms(body, start, stop, elapsed_ms, *, n_warmup: int, n_repeat: int,
+                    per: int = 1, before=None) -> float:
+    """Median over ``n_repeat`` reps (after ``n_warmup``) of the time between ``start`` and
+    ``stop`` recorded around ``body()`` on the current stream, divided by ``per``.
+
+    Works with CuPy events (``elapsed_ms=cupy.cuda.get_elapsed_time``) and torch events
+    (``elapsed_ms=lambda a, b: a.elapsed_time(b)``): both record on their library's current
+    stream. ``before(i)`` runs before each rep, outside the timed region; the host waits for
+    ``stop`` after each rep, so reps never overlap.
+    """
     times = []
     for i in range(n_warmup + n_repeat):
-        flush(i)
+        if before is not None:
+            before(i)
         start.record()
-        fn()
+        body()
         stop.record()
         stop.synchronize()
         if i >= n_warmup:
-            times.append(cupy.cuda.get_elapsed_time(start, stop))
+            times.append(elapsed_ms(start, stop) / per)
     return float(statistics.median(times))
 
 
-def _graph_median_ms(fn, calls, n_warmup, n_repeat, flush_l2) -> float:
-    stream = cupy.cuda.Stream(non_blocking=True)
+def repeat_calls(fn, calls: int) -> None:
+    for _ in range(calls):
+        fn()
+
+
+def _capture(fn, calls: int, stream, end_capture):
+    """Device sync, one eager ``fn()`` on ``stream``, then ``calls`` calls captured there;
+    returns ``end_capture()`` (which ends the capture even when a call raised)."""
+    cupy.cuda.Device().synchronize()
     with stream:
-        fn()                              # compile / load outside the capture
+        fn()
         stream.synchronize()
         stream.begin_capture()
-        for _ in range(calls):
-            fn()
-        g = stream.end_capture()
-        flush = L2Flush(flush_l2) if flush_l2 else None
-        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-        times = []
-        for i in range(n_warmup + n_repeat):
-            if flush is not None:
-                flush(i)
-            start.record(stream)
-            g.launch(stream)
-            stop.record(stream)
-            stop.synchronize()
-            if i >= n_warmup:
-                times.append(cupy.cuda.get_elapsed_time(start, stop) / calls)
-    return float(statistics.median(times))
+        try:
+            repeat_calls(fn, calls)
+        finally:
+            captured = end_capture()
+    return captured
+
+
+class CupyGraph:
+    """``calls`` back-to-back calls of ``fn`` captured once in a CUDA graph, replayed on a
+    private non-blocking stream: kernel-only time (no Python between the launches).
+
+    Before capturing: the whole device is synchronised (inputs made on another stream are
+    ready: a non-blocking stream does not wait for the null stream), then ``fn`` runs once
+    eagerly on the capture stream (compile / load outside the capture; an exception there
+    means ``fn`` refuses its inputs and propagates). ``fn`` must not synchronise the host;
+    what it allocates while capturing must stay alive (cuattn keeps its split scratch).
+    """
+
+    def __init__(self, fn, calls: int = 1):
+        self.calls = calls
+        self.stream = cupy.cuda.Stream(non_blocking=True)
+        self.graph = _capture(fn, calls, self.stream, self.stream.end_capture)
+
+    def median_ms(self, *, n_warmup: int = 3, n_repeat: int = 20, flush=None) -> float:
+        """Median per call over ``n_repeat`` replays (after ``n_warmup``), each between two
+        events on the replay stream; ``flush(i)`` (an ``L2Flush``) runs on the same stream
+        before every replay, outside the timed region."""
+        with self.stream:
+            return event_median_ms(lambda: self.graph.launch(self.stream), cupy.cuda.Event(),
+                                   cupy.cuda.Event(), cupy.cuda.get_elapsed_time,
+                                   n_warmup=n_warmup, n_repeat=n_repeat, per=self.calls,
+                                   before=flush)
+
+
+def eager_ms(fn, *, calls: int = 20, n_warmup: int = 1, n_repeat: int = 5) -> float:
+    """Eager back-to-back: ``calls`` calls of ``fn`` between two CuPy events on CuPy's
+    current stream, no sync inside; the median over reps of time / calls.
+
+    What a loop of eager calls costs per call: the GPU time when the kernels are longer
+    than the host's launch path (the queue stays ahead), the host time when they are not,
+    plus 1/calls of one launch path (the GPU waits for the first call). ``fn`` runs once
+    first (compile / load), after a device sync.
+    """
+    cupy.cuda.Device().synchronize()
+    fn()
+    cupy.cuda.Device().synchronize()
+    return event_median_ms(lambda: repeat_calls(fn, calls), cupy.cuda.Event(), cupy.cuda.Event(),
+                           cupy.cuda.get_elapsed_time, n_warmup=n_warmup, n_repeat=n_repeat,
+                           per=calls)
+
+
+def kernel_launches(fn) -> int | None:
+    """How many kernels one call of ``fn`` launches: the kernel nodes of a CUDA graph of one
+    call (read through cuda.bindings' driver API), or None where that cannot be read.
+    (CuPy's own ``Graph`` drops the graph once instantiated, so the capture here ends with
+    the raw runtime call, which keeps it.)"""
+    try:
+        from cuda.bindings import driver
+    except ImportError:
+        return None
+    runtime = cupy.cuda.runtime
+    stream = cupy.cuda.Stream(non_blocking=True)
+    try:
+        raw = _capture(fn, 1, stream, lambda: runtime.streamEndCapture(stream.ptr))
+    except Exception:
+        return None
+    try:
+        ok = driver.CUresult.CUDA_SUCCESS
+        handle = driver.CUgraph(raw)
+        err, _, count = driver.cuGraphGetNodes(handle, 0)
+        if err != ok:
+            return None
+        err, nodes, count = driver.cuGraphGetNodes(handle, count)
+        types = [driver.cuGraphNodeGetType(node) for node in nodes[:count]]
+        if err != ok or any(e != ok for e, _ in types):
+            return None
+        kernel = driver.CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL
+        return sum(1 for _, t in types if t == kernel)
+    except Exception:
+        return None
+    finally:
+        runtime.graphDestroy(raw)
 
 
 class L2Flush:
@@ -97,18 +197,50 @@ class L2Flush:
             self._read(self.buf, L2_FLUSH_BYTES)
 
 
-def host_us_per_call(fn, *, n: int = 300) -> float:
-    """Host-side microseconds per call (launch path cost), GPU work queued, not waited on."""
+@dataclass
+class HostCost:
+    us: float           # wall time per call: median over batches
+    backlog_us: float   # median wait for the device after a batch's last call (sync included)
+    calls: int          # calls per batch
+
+    @property
+    def gpu_kept_up(self) -> bool:
+        """Whether the GPU finished each batch within a few us of its last launch, i.e. the
+        loop was host-bound throughout (a GPU that falls behind ends a batch with a backlog
+        that grows with the batch)."""
+        return self.backlog_us <= max(50.0, 0.05 * self.us * self.calls)
+
+
+def host_cost(fn, *, n: int = 200, batches: int = 7) -> HostCost:
+    """Host-side wall time per call of ``fn()`` (its launch path), GPU work queued, not waited on.
+
+    ``batches`` batches of ``n`` back-to-back calls, each starting with an idle device (a
+    device-wide sync before it, so CuPy's and torch's streams alike), timed with
+    ``time.perf_counter`` from before the first call to after the last; the median batch
+    wins. ``n`` must stay well below the launch queue's depth (~1000 launches), so a batch
+    never blocks on a full queue. After each batch the wait for the device is measured: a
+    short wait says the GPU kept up, so the time is the host's alone (``gpu_kept_up``).
+    """
     import time
-    for _ in range(50):
+    for _ in range(20):
         fn()
-    cupy.cuda.get_current_stream().synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    t1 = time.perf_counter()
-    cupy.cuda.get_current_stream().synchronize()
-    return (t1 - t0) / n * 1e6
+    cupy.cuda.Device().synchronize()
+    per_call, backlog = [], []
+    for _ in range(batches):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        t1 = time.perf_counter()
+        cupy.cuda.Device().synchronize()
+        t2 = time.perf_counter()
+        per_call.append((t1 - t0) / n * 1e6)
+        backlog.append((t2 - t1) * 1e6)
+    return HostCost(statistics.median(per_call), statistics.median(backlog), n)
+
+
+def host_us_per_call(fn, *, n: int = 200) -> float:
+    """Host-side microseconds per call (launch path cost): ``host_cost(fn, n=n).us``."""
+    return host_cost(fn, n=n).us
 
 
 @dataclass
@@ -191,6 +323,15 @@ def measure_ceilings(quick: bool = False) -> Ceilings:
     matmul_tflops = 2 * n ** 3 / t / 1e9
     name = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
     return Ceilings(copy_gbps, read_gbps, matmul_tflops, name)
+
+
+def with_path_first(paths: list[str]) -> dict:
+    """A copy of this process's environment with ``paths`` first on PYTHONPATH (for a
+    subprocess that must import the same trees as this one)."""
+    import os
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(list(paths) + [p for p in [env.get("PYTHONPATH")] if p])
+    return env
 
 
 def format_table(rows: list[dict], title: str = "") -> str:

@@ -1,9 +1,12 @@
-"""cuattn benchmarks: ``python bench/run.py [--suite merge flash decode] [--json F] [--plot F.png]``.
+"""cuattn benchmarks: ``python bench/run.py [--suite merge flash decode host cold] [--json F]
+[--plot F.png]``.
 
 Prints one Markdown table per suite, each kernel beside its peers measured in the same
 run and against the device's own ceilings (copy and read bandwidth, bf16 matmul rate),
-also measured in this run. Without a GPU it says so and precompiles the shipped kernels
-for ``--arch`` (default sm_90) instead, which is all such a machine can do.
+also measured in this run; "host" is the host cost per call beside a bare kernel launch,
+"cold" the import and first-call times of fresh processes. Without a GPU it says so and
+precompiles the shipped kernels for ``--arch`` (default sm_90) instead, which is all such a
+machine can do.
 """
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 SUITES = {"merge": "bench.suite_merge", "flash": "bench.suite_flash",
-          "decode": "bench.suite_decode"}
+          "decode": "bench.suite_decode", "host": "bench.suite_host", "cold": "bench.cold_start"}
 
 
 def _has_gpu() -> bool:

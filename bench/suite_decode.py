@@ -17,6 +17,7 @@ at this size, ramp-up and tail included.
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 
 import cupy
 import ml_dtypes
@@ -36,23 +37,50 @@ MIN_CACHE_BYTES = 1 << 30          # >> the H200's 60 MB L2
 VERSIONS = ("v1", "v2", "auto")
 
 
-def _auto_pick(batch: int, kv_heads: int, ctx: int) -> str:
-    """What version="auto" runs for this shape (cuattn.paged's own rule)."""
-    from cuattn.paged import auto_version
-    return auto_version((batch, NUM_HEADS, HEAD_SIZE), ml_dtypes.bfloat16, kv_heads, BLOCK_SIZE,
-                        ctx // BLOCK_SIZE, device_id=cupy.cuda.Device().id)
+def auto_pick(cuattn_module, q_shape, kv_heads: int, block_size: int, max_blocks: int) -> str:
+    """What version="auto" runs for a bf16 call of these shapes (the tree's own rule,
+    ``cuattn.paged.auto_version``: "v1" or "v2 p<partition>"), or "?" where that internal
+    function is missing or has moved."""
+    try:
+        return cuattn_module.paged.auto_version(q_shape, ml_dtypes.bfloat16, kv_heads, block_size,
+                                                max_blocks, device_id=cupy.cuda.Device().id)
+    except Exception:
+        return "?"
 
 
-def run(ceilings: Ceilings, quick: bool) -> list[dict]:
-    import cuattn
+@dataclass
+class DecodeCase:
+    """One configuration's inputs: q (batch, 32, 128) bf16 and its paged caches."""
+    kv_heads: int
+    batch: int
+    ctx: int
+    q: cupy.ndarray
+    k_cache: cupy.ndarray
+    v_cache: cupy.ndarray
+    block_tables: cupy.ndarray      # a random permutation of the cache's blocks
+    seq_lens: cupy.ndarray
+
+    @property
+    def kv_bytes(self) -> int:
+        """The K and V bytes that must be read."""
+        return self.batch * self.ctx * self.kv_heads * HEAD_SIZE * 2 * 2
+
+    @property
+    def max_blocks(self) -> int:
+        return self.block_tables.shape[1]
+
+
+def decode_cases(cuattn_module, quick: bool):
+    """The suite's configurations, kv heads outermost: one cache of >= 1 GB per kv-heads
+    count (freed after its configurations), block tables drawn without repetition from it."""
     bf16 = np.dtype(ml_dtypes.bfloat16)
     configs = QUICK_CONFIGS if quick else CONFIGS
-    rows: list[dict] = []
     for kvh in KV_HEADS:
         block_bytes = 2 * kvh * HEAD_SIZE * BLOCK_SIZE * bf16.itemsize      # K + V
         needed = max(b * c for b, c in configs) // BLOCK_SIZE
         num_blocks = max(needed, -(-MIN_CACHE_BYTES // block_bytes))
-        kshape, vshape = cuattn.paged_kv_cache_shapes(num_blocks, kvh, HEAD_SIZE, BLOCK_SIZE, bf16)
+        kshape, vshape = cuattn_module.paged_kv_cache_shapes(num_blocks, kvh, HEAD_SIZE,
+                                                             BLOCK_SIZE, bf16)
         k_cache = cupy.empty(kshape, dtype=bf16)
         v_cache = cupy.empty(vshape, dtype=bf16)
         # Speed does not depend on the values; a constant fill (bf16 0.75) costs no scratch
@@ -62,38 +90,46 @@ def run(ceilings: Ceilings, quick: bool) -> list[dict]:
         for batch, ctx in configs:
             nblk = ctx // BLOCK_SIZE
             perm = cupy.random.permutation(num_blocks)[: batch * nblk].astype(np.int32)
-            block_tables = perm.reshape(batch, nblk)
-            seq_lens = cupy.full((batch,), ctx, dtype=np.int32)
-            q = cupy.random.standard_normal((batch, NUM_HEADS, HEAD_SIZE), dtype=np.float32).astype(bf16)
-            out = cupy.empty_like(q)
-            kv_bytes = batch * ctx * kvh * HEAD_SIZE * bf16.itemsize * 2
-            same_bytes_read_us = 1e3 * plain_read_ms(kv_bytes)
-            for version in VERSIONS:
-                def call(version=version):
-                    cuattn.paged_attention(q, k_cache, v_cache, block_tables, seq_lens,
-                                           version=version, out=out)
-                row = {"kv heads": kvh, "batch": batch, "ctx": ctx, "K+V MB": kv_bytes / 1e6,
-                       "version": version if version != "auto" else f"auto ({_auto_pick(batch, kvh, ctx)})"}
-                try:
-                    call()
-                except ValueError as e:          # v1 past its shared-memory limit
-                    row.update({"us": None, "GB/s": None, "% read BW": None,
-                                "note": str(e).split(";")[0][:60]})
-                    rows.append(row)
-                    continue
-                ms = median_ms(call, n_warmup=5, n_repeat=30, flush_l2="clean", graph=1)
-                gbps = kv_bytes / ms / 1e6
-                row.update({"us": ms * 1e3, "GB/s": gbps,
-                            "% read BW": 100.0 * gbps / ceilings.read_gbps,
-                            "read us": same_bytes_read_us})
-                if version == "auto":
-                    row["us (dirty L2)"] = 1e3 * median_ms(call, n_warmup=5, n_repeat=30,
-                                                           flush_l2="dirty", graph=1)
-                if batch == 1 and ctx == 4096:   # small work: the launch path is what shows
-                    row["host us/call"] = host_us_per_call(call, n=500)
-                rows.append(row)
+            q = cupy.random.standard_normal((batch, NUM_HEADS, HEAD_SIZE),
+                                            dtype=np.float32).astype(bf16)
+            yield DecodeCase(kvh, batch, ctx, q, k_cache, v_cache, perm.reshape(batch, nblk),
+                             cupy.full((batch,), ctx, dtype=np.int32))
         del k_cache, v_cache
         cupy.get_default_memory_pool().free_all_blocks()
+
+
+def run(ceilings: Ceilings, quick: bool) -> list[dict]:
+    import cuattn
+    rows: list[dict] = []
+    for case in decode_cases(cuattn, quick):
+        out = cupy.empty_like(case.q)
+        same_bytes_read_us = 1e3 * plain_read_ms(case.kv_bytes)
+        pick = auto_pick(cuattn, case.q.shape, case.kv_heads, BLOCK_SIZE, case.max_blocks)
+        for version in VERSIONS:
+            def call(version=version):
+                cuattn.paged_attention(case.q, case.k_cache, case.v_cache, case.block_tables,
+                                       case.seq_lens, version=version, out=out)
+            row = {"kv heads": case.kv_heads, "batch": case.batch, "ctx": case.ctx,
+                   "K+V MB": case.kv_bytes / 1e6,
+                   "version": version if version != "auto" else f"auto ({pick})"}
+            try:
+                call()
+            except ValueError as e:          # v1 past its shared-memory limit
+                row.update({"us": None, "GB/s": None, "% read BW": None,
+                            "note": str(e).split(";")[0][:60]})
+                rows.append(row)
+                continue
+            ms = median_ms(call, n_warmup=5, n_repeat=30, flush_l2="clean", graph=1)
+            gbps = case.kv_bytes / ms / 1e6
+            row.update({"us": ms * 1e3, "GB/s": gbps,
+                        "% read BW": 100.0 * gbps / ceilings.read_gbps,
+                        "read us": same_bytes_read_us})
+            if version == "auto":
+                row["us (dirty L2)"] = 1e3 * median_ms(call, n_warmup=5, n_repeat=30,
+                                                       flush_l2="dirty", graph=1)
+            if case.batch == 1 and case.ctx == 4096:   # small work: the launch path shows
+                row["host us/call"] = host_us_per_call(call, n=500)
+            rows.append(row)
     return rows
 
 

@@ -1,74 +1,63 @@
-"""flash suite: flash_forward TFLOP/s against the device's bf16 matmul rate and peers.
+"""flash suite: flash_forward TFLOP/s beside PyTorch's FlashAttention-2 and cuDNN, each by
+the same method in the same run.
 
-Configuration (issue 3, FlashAttention's own benchmark): bf16, headdim 64 and 128,
-seqlen 512..16384, batch = 16384 // seqlen, nheads = 2048 // headdim, causal and not.
-FLOPs = 4 * B * H * S * S * D, halved for causal. Peers on the same inputs, each only when
-available: PyTorch SDPA with the FLASH_ATTENTION and CUDNN_ATTENTION backends (tensors
-shared through DLPack, passed as (B, H, S, D) views), and a naive CuPy attention
-(matmul + softmax, materialised scores; only where the scores fit).
+Configuration (issue 3, FlashAttention's own benchmark): bf16, headdim 64 and 128, seqlen
+512..16384, plus headdim 256 at seqlen 2048 and 8192; batch = 16384 // seqlen, nheads =
+2048 // headdim, causal and not. FLOPs = 4 * B * H * S * S * D, halved for causal. Inputs
+are 3 x 64 MB, past the H200's 60 MB L2.
+
+Every library is timed two ways, and a ratio only ever divides two times of one method:
+- graph (kernel-only): ``GRAPH_CALLS`` back-to-back calls captured once in a CUDA graph,
+  median per call over ``GRAPH_REPS`` replays: cuattn in a CuPy graph
+  (``harness.CupyGraph``), SDPA in a ``torch.cuda.CUDAGraph`` (``torch_peers.graph_ms``).
+- eager (back-to-back): ``EAGER_CALLS`` eager calls between two CUDA events with no sync
+  inside, median of time / calls over ``EAGER_REPS`` reps (``harness.eager_ms``,
+  ``torch_peers.eager_ms``): what a loop of calls costs, host launch path included where it
+  is longer than the kernel.
+Peers: SDPA forced to FLASH_ATTENTION ("FA2", PyTorch's bundled FlashAttention-2) and to
+CUDNN_ATTENTION, on the same memory (DLPack, (B, H, S, D) views of the (B, S, H, D) arrays),
+each only where torch is importable and the backend accepts the shape (else empty cells).
+cuattn writes into a preallocated ``out=``; SDPA allocates its output (from torch's caching
+allocator). "cuattn/FA2" is cuattn's TFLOP/s over FA2's (> 1: cuattn is faster).
+The naive CuPy attention (materialised fp32 scores) allocates per call, so it is timed
+eager only, where its scores fit (seqlen <= 4096); it has no ratio column.
 """
 from __future__ import annotations
 
 import math
 
 import cupy
-import ml_dtypes
 import numpy as np
 
 import cuattn
-from bench.harness import median_ms
+from bench import torch_peers
+from bench.harness import eager_ms, median_ms, randn
 
 SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
 QUICK_SEQLENS = (1024, 4096)
 HEAD_DIMS = (64, 128)
-NAIVE_MAX_SCORE_BYTES = 8 << 30     # fp32 scores of the naive peer must stay under this
+HD256_SEQLENS = (2048, 8192)          # issue 12's table
+QUICK_HD256_SEQLENS = (2048,)
+NAIVE_MAX_SCORE_BYTES = 8 << 30       # fp32 scores of the naive peer must stay under this
+GRAPH_CALLS, GRAPH_REPS = 5, 20
+EAGER_CALLS, EAGER_REPS = 20, 5
+PEERS = (("FA2", "FLASH_ATTENTION"), ("cuDNN", "CUDNN_ATTENTION"))
 
 
-def _torch():
-    try:
-        import torch
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-        if not torch.cuda.is_available():
-            return None
-        return torch, SDPBackend, sdpa_kernel
-    except Exception:
-        return None
+def configs(quick: bool) -> list[tuple[int, int]]:
+    """(head_dim, seqlen) pairs of the suite (also the A/B's flash configurations)."""
+    seqlens = QUICK_SEQLENS if quick else SEQLENS
+    hd256 = QUICK_HD256_SEQLENS if quick else HD256_SEQLENS
+    return [(d, s) for d in HEAD_DIMS for s in seqlens] + [(256, s) for s in hd256]
 
 
-def _sdpa_ms(tt, q, k, v, causal, backend_name):
-    """Median ms of torch SDPA with one backend, or None if it refuses the shape.
+def standard_inputs(d: int, s: int):
+    """(q, k, v) bf16 (B, S, H, D) with B = 16384 // S, H = 2048 // D, standard normal."""
+    return tuple(randn(16384 // s, s, 2048 // d, d) for _ in range(3))
 
-    Timed with torch's own events on torch's current stream (median of 20 after warm-up),
-    so no stream is shared between the two libraries.
-    """
-    torch, SDPBackend, sdpa_kernel = tt
-    backend = getattr(SDPBackend, backend_name, None)
-    if backend is None:
-        return None
-    cupy.cuda.get_current_stream().synchronize()
-    # (B, S, H, D) CuPy -> torch without a copy -> (B, H, S, D) views.
-    tq, tk, tv = (torch.from_dlpack(x).transpose(1, 2) for x in (q, k, v))
 
-    def call():
-        with sdpa_kernel(backend):
-            return torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
-
-    try:
-        call()
-        torch.cuda.synchronize()
-    except Exception:   # backend not built / not supported for this shape
-        return None
-    for _ in range(5):
-        call()
-    times = []
-    for _ in range(20):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        call()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop))
-    return float(np.median(times))
+def label(d: int, s: int, causal: bool) -> str:
+    return f"hd{d} S{s} B{16384 // s} H{2048 // d} {'causal' if causal else 'full'}"
 
 
 def _naive(q, k, v, causal):
@@ -86,47 +75,50 @@ def _naive(q, k, v, causal):
     return cupy.matmul(scores, vt).astype(q.dtype)
 
 
+def _ratio(a, b):
+    return None if a is None or b is None else a / b
+
+
 def run(ceilings, quick: bool) -> list[dict]:
     rows = []
-    tt = _torch()
-    dtype = ml_dtypes.bfloat16
-    for d in HEAD_DIMS:
-        for s in (QUICK_SEQLENS if quick else SEQLENS):
-            b, h = 16384 // s, 2048 // d
-            shape = (b, s, h, d)
-            q, k, v = (cupy.random.standard_normal(shape, dtype=np.float32).astype(dtype)
-                       for _ in range(3))
-            out = cupy.empty_like(q)
-            for causal in (False, True):
-                flops = 4 * b * h * s * s * d / (2 if causal else 1)
+    tt = torch_peers.load()
+    for d, s in configs(quick):
+        q, k, v = standard_inputs(d, s)
+        b, h = q.shape[0], q.shape[2]
+        out = cupy.empty_like(q)
+        views = torch_peers.bhsd_views(tt, q, k, v)
+        for causal in (False, True):
+            flops = 4 * b * h * s * s * d / (2 if causal else 1)
 
-                def tflops(ms):
-                    return None if ms is None else flops / ms / 1e9
+            def tflops(ms):
+                return None if ms is None else flops / ms / 1e9
 
-                def call():
-                    cuattn.flash_forward(q, k, v, causal=causal, out=out)
+            def call():
+                cuattn.flash_forward(q, k, v, causal=causal, out=out)
 
-                # Kernel time from CUDA-graph replays (no split at these shapes, so the
-                # call allocates nothing); the eager time includes the Python launch path,
-                # as the SDPA columns do.
-                ms = median_ms(call, graph=5, n_warmup=3, n_repeat=20)
-                eager = median_ms(call, n_warmup=3, n_repeat=20)
-                row = {
-                    "config": f"hd{d} S{s} B{b} H{h} {'causal' if causal else 'full'}",
-                    "cuattn ms": ms, "cuattn TFLOP/s": tflops(ms),
-                    "% matmul": 100 * tflops(ms) / ceilings.matmul_tflops,
-                    "cuattn eager TFLOP/s": tflops(eager),
-                }
-                if tt is not None:
-                    fa = _sdpa_ms(tt, q, k, v, causal, "FLASH_ATTENTION")
-                    cu = _sdpa_ms(tt, q, k, v, causal, "CUDNN_ATTENTION")
-                    row["SDPA flash TFLOP/s"] = tflops(fa)
-                    row["SDPA cudnn TFLOP/s"] = tflops(cu)
-                    row["x vs SDPA flash"] = None if fa is None else fa / ms
-                if b * h * s * s * 4 <= NAIVE_MAX_SCORE_BYTES and s <= 4096:
-                    naive = median_ms(lambda: _naive(q, k, v, causal), n_warmup=2, n_repeat=5)
-                    row["naive cupy TFLOP/s"] = tflops(naive)
-                rows.append(row)
-            del q, k, v, out
-            cupy.get_default_memory_pool().free_all_blocks()
+            # No split at these shapes (the grid fills the GPU), so the call allocates nothing.
+            graph = {"cuattn": tflops(median_ms(call, graph=GRAPH_CALLS, n_warmup=2,
+                                                n_repeat=GRAPH_REPS))}
+            eager = {"cuattn": tflops(eager_ms(call, calls=EAGER_CALLS, n_repeat=EAGER_REPS))}
+            for name, backend in PEERS:
+                g_ms = e_ms = None
+                if views is not None:
+                    g_ms, e_ms = torch_peers.sdpa_times(
+                        tt, *views, causal=causal, backend_name=backend, graph_calls=GRAPH_CALLS,
+                        eager_calls=EAGER_CALLS, graph_reps=GRAPH_REPS, eager_reps=EAGER_REPS)
+                graph[name], eager[name] = tflops(g_ms), tflops(e_ms)
+            row = {"config": label(d, s, causal),
+                   "% matmul (graph)": 100 * graph["cuattn"] / ceilings.matmul_tflops}
+            for method, rates in (("graph", graph), ("eager", eager)):
+                row.update({f"{lib} TFLOP/s ({method})": rates[lib] for lib in rates})
+                row.update({f"cuattn/{name} ({method})": _ratio(rates["cuattn"], rates[name])
+                            for name, _ in PEERS})
+            if b * h * s * s * 4 <= NAIVE_MAX_SCORE_BYTES and s <= 4096:
+                row["naive cupy TFLOP/s (eager)"] = tflops(
+                    eager_ms(lambda: _naive(q, k, v, causal), calls=3, n_repeat=3))
+            rows.append(row)
+        del q, k, v, out, views
+        if tt is not None:
+            tt.torch.cuda.empty_cache()
+        cupy.get_default_memory_pool().free_all_blocks()
     return rows

@@ -6,11 +6,10 @@ Bytes = the two partial outputs and lses read + the output and lse written; the 
 from __future__ import annotations
 
 import cupy
-import ml_dtypes
 import numpy as np
 
 import cuattn
-from bench.harness import host_us_per_call, median_ms
+from bench.harness import host_us_per_call, median_ms, randn
 
 CONFIGS = [  # (num_tokens, nheads, head_size)
     (512, 32, 128), (4096, 32, 128), (16384, 32, 128), (16384, 8, 64), (16384, 16, 256),
@@ -27,15 +26,24 @@ def _naive_merge(a, la, b, lb):
     return out, m + cupy.log(cupy.exp(la - m) + cupy.exp(lb - m))
 
 
+def configs(quick: bool) -> list[tuple[int, int, int]]:
+    return CONFIGS[1:3] if quick else CONFIGS
+
+
+def merge_inputs(t: int, h: int, d: int, states: int = 2):
+    """``states`` partial outputs (t, h, d) bf16 and their lses (h, t) float32, standard
+    normal: (a, la, b, lb) for two states, else (outs, lses) stacked on a leading axis."""
+    outs = randn(states, t, h, d)
+    lses = randn(states, h, t, dtype=np.float32)
+    if states == 2:
+        return outs[0], lses[0], outs[1], lses[1]
+    return outs, lses
+
+
 def run(ceilings, quick: bool) -> list[dict]:
     rows = []
-    configs = CONFIGS[1:3] if quick else CONFIGS
-    for t, h, d in configs:
-        dtype = ml_dtypes.bfloat16
-        a = cupy.random.standard_normal((t, h, d), dtype=np.float32).astype(dtype)
-        b = cupy.random.standard_normal((t, h, d), dtype=np.float32).astype(dtype)
-        la = cupy.random.standard_normal((h, t), dtype=np.float32)
-        lb = cupy.random.standard_normal((h, t), dtype=np.float32)
+    for t, h, d in configs(quick):
+        a, la, b, lb = merge_inputs(t, h, d)
         out = cupy.empty_like(a)
         out_lse = cupy.empty_like(la)
         nbytes = 3 * a.nbytes + 3 * la.nbytes

@@ -1,0 +1,311 @@
+"""A/B of two cuattn trees in one process: is any configuration slower in the new tree?
+
+    scripts/ab_prepare.sh OLD_COMMIT DIR        # DIR/cuattn_old/ + DIR/cuda_src/
+    PYTHONPATH=. python bench/ab.py --old DIR [--suites flash decode merge] [--quick] [--json F]
+
+"new" is the ``cuattn`` of this checkout (the tree holding this file), "old" is
+``DIR/cuattn_old`` (the old commit's package, renamed; it finds its own kernels in
+``DIR/cuda_src``). Both compile into the same ``CUATTN_CACHE_DIR``, where their entries'
+digests differ wherever the sources do.
+Before timing, both trees' ``python -m <package> precompile`` run side by side (NVRTC in
+parallel threads); a variant neither ships compiles at its first call, outside the timing.
+
+Each configuration builds its inputs once; both trees run on those same inputs (each into
+its own output). Each tree's call is captured once in a CUDA graph (``harness.CupyGraph``:
+``calls`` back-to-back calls per replay), then ``ROUNDS`` rounds alternate the trees
+(old, new / new, old / ...), each round one replay median per tree; a tree's time is the
+median of its rounds. Kernel-only on both sides, so the host path never enters. Decode and
+split-KV flash (memory-bound shapes) replay one call after a clean L2 flush
+(``harness.L2Flush``), as bench/suite_decode.py does; prefill and merge replay 5 and 10
+calls with no flush, as their suites do. "max abs diff" is the largest difference of the
+two outputs (a sanity check that both computed the same thing, not a tolerance test);
+"spread %" the largest round-to-round spread of either tree, for reading a small ratio.
+
+Configurations: the flash suite's (hd 64 / 128 at S 512..16384 and hd 256 at 2048 / 8192,
+causal and not), three split-KV shapes (the num_splits=0 rule splits them), varlen (16
+sequences of mixed lengths, 16384 tokens), the decode suite's (kv heads 8 and 32, its
+CONFIGS, v1 / v2 / auto), the merge suite's, and merge_states with 4 states.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import cupy  # noqa: E402
+import numpy as np  # noqa: E402
+
+from bench import suite_decode, suite_flash, suite_merge  # noqa: E402
+from bench.harness import CupyGraph, L2Flush, format_table, randn, with_path_first  # noqa: E402
+
+SLOWER = 1.02                 # new/old above this is flagged
+ROUNDS = 3
+REPLAYS = {False: (2, 10), True: (3, 20)}     # flush -> (warm-up, timed) replays per round
+SPLIT_SHAPES = [  # (batch, seqlen_q, seqlen_k, heads), hd 128, causal: tuning.py's split cases
+    (1, 1, 16384, 32), (4, 1, 16384, 32), (1, 64, 16384, 16)]
+VARLEN_LENGTHS = [3071, 2049, 1536, 1279, 1025, 1024, 1023, 896, 769, 767, 640, 513, 511,
+                  512, 385, 384]                  # 16 sequences, 16384 tokens
+MERGE_STATES = (4, 16384, 32, 128)                # states, tokens, heads, head size
+PRECOMPILE_TIMEOUT_S = 240
+
+
+@dataclass
+class Case:
+    """One configuration. ``make(tree)`` returns (the call, its output array) for a tree,
+    on inputs the case's generator built once; it raises where the tree refuses them."""
+    suite: str
+    config: str
+    make: Callable
+    calls: int = 5            # calls per graph replay
+    flush: bool = False       # clean L2 flush before every replay
+    detail: Callable | None = None    # detail(tree) -> str shown after the config (auto's pick)
+
+
+def flash_cases(quick: bool) -> Iterator[Case]:
+    for d, s in suite_flash.configs(quick):
+        q, k, v = suite_flash.standard_inputs(d, s)
+        for causal in (False, True):
+            def make(ca, causal=causal):
+                out = cupy.empty_like(q)
+                return (lambda: ca.flash_forward(q, k, v, causal=causal, out=out)), out
+            yield Case("flash", suite_flash.label(d, s, causal), make)
+
+
+def split_cases(quick: bool) -> Iterator[Case]:
+    for b, sq, sk, h in SPLIT_SHAPES[:1] if quick else SPLIT_SHAPES:
+        q, k, v = randn(b, sq, h, 128), randn(b, sk, h, 128), randn(b, sk, h, 128)
+
+        def make(ca):
+            out = cupy.empty_like(q)
+            return (lambda: ca.flash_forward(q, k, v, causal=True, out=out)), out
+        yield Case("flash split", f"hd128 B{b} Sq{sq} Sk{sk} H{h} causal", make, calls=1,
+                   flush=True)
+
+
+def varlen_cases(quick: bool) -> Iterator[Case]:
+    total, h, d = sum(VARLEN_LENGTHS), 16, 128
+    cu = cupy.asarray(np.concatenate([[0], np.cumsum(VARLEN_LENGTHS)]), dtype=np.int32)
+    q, k, v = (randn(total, h, d) for _ in range(3))
+    longest = max(VARLEN_LENGTHS)
+    for causal in (False,) if quick else (False, True):
+        def make(ca, causal=causal):
+            out = cupy.empty_like(q)
+            return (lambda: ca.flash_varlen_forward(q, k, v, cu, cu, longest, longest,
+                                                    causal=causal, out=out)), out
+        yield Case("flash varlen", f"hd128 H{h} 16 seqs {total} tokens "
+                   f"{'causal' if causal else 'full'}", make)
+
+
+def decode_cases(quick: bool, new) -> Iterator[Case]:
+    versions = ("auto",) if quick else suite_decode.VERSIONS
+    for c in suite_decode.decode_cases(new, quick):
+        for version in versions:
+            def make(ca, version=version):
+                out = cupy.empty_like(c.q)
+                return (lambda: ca.paged_attention(c.q, c.k_cache, c.v_cache, c.block_tables,
+                                                   c.seq_lens, version=version, out=out)), out
+
+            def detail(ca):
+                return suite_decode.auto_pick(ca, c.q.shape, c.kv_heads, suite_decode.BLOCK_SIZE,
+                                              c.max_blocks)
+            yield Case("decode", f"kvh{c.kv_heads} {c.batch}x{c.ctx} {version}", make, calls=1,
+                       flush=True, detail=detail if version == "auto" else None)
+
+
+def merge_cases(quick: bool) -> Iterator[Case]:
+    for t, h, d in suite_merge.configs(quick):
+        a, la, b, lb = suite_merge.merge_inputs(t, h, d)
+
+        def make(ca):
+            out, out_lse = cupy.empty_like(a), cupy.empty_like(la)
+            return (lambda: ca.merge_attn_states(a, la, b, lb, out=out, out_lse=out_lse)), out
+        yield Case("merge", f"{t}x{h}x{d}", make, calls=10)
+    k, t, h, d = MERGE_STATES
+    outs, lses = suite_merge.merge_inputs(t, h, d, states=k)
+
+    def make_states(ca):
+        out, out_lse = cupy.empty((t, h, d), dtype=outs.dtype), cupy.empty((h, t), np.float32)
+        return (lambda: ca.merge_states(outs, lses, out=out, out_lse=out_lse)), out
+    yield Case("merge", f"merge_states k{k} {t}x{h}x{d}", make_states, calls=10)
+
+
+def cases(suites: list[str], quick: bool, new) -> Iterator[Case]:
+    if "flash" in suites:
+        yield from flash_cases(quick)
+        yield from split_cases(quick)
+        yield from varlen_cases(quick)
+    if "decode" in suites:
+        yield from decode_cases(quick, new)
+    if "merge" in suites:
+        yield from merge_cases(quick)
+
+
+def _max_diff(a, b) -> float | None:
+    if a is None or b is None:
+        return None
+    return float(cupy.abs(a.astype(np.float32) - b.astype(np.float32)).max())
+
+
+def ab_one(case: Case, trees: dict, flush: L2Flush) -> dict:
+    """Time one case on every tree: capture each, then interleaved rounds of replays."""
+    graphs, outs, notes = {}, {}, []
+    for name, tree in trees.items():
+        try:
+            fn, outs[name] = case.make(tree)
+            graphs[name] = CupyGraph(fn, case.calls)     # runs fn once first: compile / load
+        except Exception as exc:                         # refused (e.g. v1 too long): no time
+            notes.append(f"{name}: {type(exc).__name__}: {str(exc).split(';')[0]}"[:90])
+            outs.pop(name, None)
+    times: dict[str, list[float]] = {name: [] for name in graphs}
+    order = list(graphs)
+    n_warmup, n_repeat = REPLAYS[case.flush]
+    for r in range(ROUNDS):
+        for name in order if r % 2 == 0 else order[::-1]:
+            times[name].append(1e3 * graphs[name].median_ms(
+                n_warmup=n_warmup, n_repeat=n_repeat, flush=flush if case.flush else None))
+    us = {name: statistics.median(t) for name, t in times.items()}
+    config = case.config
+    if case.detail is not None:
+        config += " (" + ", ".join(f"{name} {case.detail(tree)}" for name, tree in trees.items()) \
+                  + ")"
+    ratio = us["new"] / us["old"] if "new" in us and "old" in us else None
+    flag = ("SLOWER" if ratio is not None and ratio > SLOWER else
+            "ONE SIDE" if len(us) == 1 else "")
+    row = {"suite": case.suite, "config": config, "old us": us.get("old"), "new us": us.get("new"),
+           "new/old": ratio, "flag": flag,
+           "max abs diff": _max_diff(outs.get("old"), outs.get("new")),
+           "spread %": max((100 * (max(t) - min(t)) / statistics.median(t) for t in times.values()),
+                           default=None)}
+    if notes:
+        row["note"] = "; ".join(notes)
+    return row
+
+
+def precompile(trees: dict) -> float:
+    """Both trees' ``python -m <package> precompile``, side by side; seconds taken. A failure
+    is reported, not fatal: the first calls compile what is missing."""
+    t0 = time.perf_counter()
+    jobs = max(1, (os.cpu_count() or 2) // len(trees))
+    arch = "sm_" + cupy.cuda.Device().compute_capability
+    procs = {}
+    for name, tree in trees.items():
+        env = with_path_first([str(Path(tree.__file__).resolve().parent.parent)])
+        cmd = [sys.executable, "-m", tree.__name__, "precompile", "--arch", arch, "-q",
+               "-j", str(jobs)]
+        procs[name] = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
+                                       stderr=subprocess.STDOUT, text=True)
+    for name, proc in procs.items():
+        try:
+            out = proc.communicate(timeout=PRECOMPILE_TIMEOUT_S)[0].strip().splitlines()
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out = [f"killed after {PRECOMPILE_TIMEOUT_S} s"] + proc.communicate()[0].splitlines()
+        print(f"precompile {name}: {'ok' if proc.returncode == 0 else 'FAILED'}: "
+              f"{out[-1] if out else ''}", flush=True)
+    return time.perf_counter() - t0
+
+
+def load_trees(old_dir: Path) -> dict:
+    """{"old": cuattn_old from old_dir, "new": this checkout's cuattn}, checked to be two
+    different packages that read two different kernel source trees."""
+    if not ((old_dir / "cuattn_old" / "__init__.py").is_file() and (old_dir / "cuda_src").is_dir()):
+        sys.exit(f"ab: {old_dir} lacks cuattn_old/ or cuda_src/ (scripts/ab_prepare.sh)")
+    sys.path.append(str(old_dir))
+    new = importlib.import_module("cuattn")
+    old = importlib.import_module("cuattn_old")
+    sources = {}
+    for name, tree in (("old", old), ("new", new)):
+        try:
+            sources[name] = importlib.import_module(tree.__name__ + ".jit.compiler").cuda_src_dir()
+        except Exception:             # internal: may have moved in the new tree
+            sources[name] = "?"
+        print(f"{name}: {Path(tree.__file__).parent} (kernel sources {sources[name]})")
+    if Path(old.__file__).resolve() == Path(new.__file__).resolve() or (
+            sources["old"] != "?" and sources["old"] == sources["new"]):
+        sys.exit("ab: old and new resolve to the same package or kernel sources")
+    return {"old": old, "new": new}
+
+
+def _warm_gpu(seconds: float = 1.0) -> None:
+    """A second of fp16 matmuls, so the first case does not start at idle clocks."""
+    a = cupy.ones((4096, 4096), dtype=np.float16)
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        cupy.matmul(a, a)
+        cupy.cuda.Device().synchronize()
+
+
+def summary(rows: list[dict]) -> list[str]:
+    compared = [r for r in rows if r["new/old"] is not None]
+    lines = []
+    if compared:
+        worst = max(compared, key=lambda r: r["new/old"])
+        slower = [r for r in compared if r["new/old"] > SLOWER]
+        lines.append(f"worst new/old: {worst['new/old']:.3f} ({worst['suite']} {worst['config']})")
+        lines.append(f"over {SLOWER}: {len(slower)} of {len(compared)} configurations compared")
+    one_side = [r for r in rows if r["flag"] == "ONE SIDE"]
+    if one_side:
+        lines.append(f"timed on one side only (the other refused or failed): {len(one_side)}: "
+                     + "; ".join(f"{r['suite']} {r['config']}" for r in one_side))
+    neither = len(rows) - len(compared) - len(one_side)
+    if neither:
+        lines.append(f"refused by both trees (e.g. v1 past its length limit): {neither}")
+    return lines
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--old", required=True, type=Path,
+                        help="directory holding cuattn_old/ and cuda_src/ (scripts/ab_prepare.sh)")
+    parser.add_argument("--suites", nargs="+", default=["flash", "decode", "merge"],
+                        choices=["flash", "decode", "merge"])
+    parser.add_argument("--quick", action="store_true", help="a few configurations per suite")
+    parser.add_argument("--json", help="write the rows and the summary to this file")
+    parser.add_argument("--no-precompile", action="store_true",
+                        help="skip the precompile step (first calls compile on demand)")
+    args = parser.parse_args(argv)
+
+    t_start = time.perf_counter()
+    trees = load_trees(args.old.resolve())
+    seconds = {"precompile": 0.0 if args.no_precompile else precompile(trees)}
+    flush = L2Flush("clean")
+    _warm_gpu()
+    rows = []
+    t0 = time.perf_counter()
+    for case in cases(args.suites, args.quick, trees["new"]):
+        rows.append(ab_one(case, trees, flush))
+        r = rows[-1]
+        print(f"{r['suite']:12s} {r['config']:48s} old {r['old us'] or float('nan'):10.1f} us  "
+              f"new {r['new us'] or float('nan'):10.1f} us  {r['flag']}", flush=True)
+    seconds["timing"] = time.perf_counter() - t0
+    seconds["total"] = time.perf_counter() - t_start
+    print()
+    shown = [{**r, "new/old": None if r["new/old"] is None else f"{r['new/old']:.3f}"}
+             for r in rows]
+    title = (f"A/B: new ({Path(trees['new'].__file__).parent}) vs old "
+             f"({Path(trees['old'].__file__).parent}), kernel-only (CUDA-graph replays), "
+             "us per call")
+    print(format_table(shown, title))
+    lines = summary(rows) + [f"seconds: precompile {seconds['precompile']:.0f}, "
+                             f"timing {seconds['timing']:.0f}, total {seconds['total']:.0f}"]
+    print("\n".join(lines))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": rows, "summary": lines, "seconds": seconds,
+                                               "old": str(args.old)}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,119 @@
+"""PyTorch peers, timed by the same two methods as cuattn (bench.harness), on CuPy's inputs.
+
+- kernel-only: ``calls`` back-to-back calls captured in a ``torch.cuda.CUDAGraph`` (torch
+  captures on its own side stream), replays timed with torch CUDA events on torch's current
+  stream, median per call: the counterpart of ``harness.CupyGraph``.
+- eager back-to-back: ``calls`` calls between two torch events, no sync inside, median of
+  time / calls: the counterpart of ``harness.eager_ms``.
+
+Inputs are CuPy arrays shared through DLPack (no copy). Each library runs on its own current
+stream, so every hand-over synchronises the whole device first (a non-blocking stream does
+not wait for the null stream, and torch's stream need not be CuPy's).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import cupy
+
+from bench.harness import event_median_ms, repeat_calls
+
+
+@dataclass
+class Torch:
+    torch: object
+    sdpa_backend: object        # torch.nn.attention.SDPBackend
+    sdpa_kernel: object         # torch.nn.attention.sdpa_kernel
+
+
+def load() -> Torch | None:
+    """torch with a usable CUDA device, or None."""
+    try:
+        import torch
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        if not torch.cuda.is_available():
+            return None
+        return Torch(torch, SDPBackend, sdpa_kernel)
+    except Exception:
+        return None
+
+
+def bhsd_views(tt: Torch | None, *arrays):
+    """(B, S, H, D) CuPy arrays -> torch (B, H, S, D) views of the same memory (after a
+    device sync), or None without torch or where DLPack refuses the arrays."""
+    if tt is None:
+        return None
+    cupy.cuda.Device().synchronize()
+    try:
+        return tuple(tt.torch.from_dlpack(x).transpose(1, 2) for x in arrays)
+    except Exception as exc:
+        print(f"torch peers skipped: DLPack refused the inputs: {exc!r:.120}", flush=True)
+        return None
+
+
+def graph_ms(tt: Torch, fn, *, calls: int, n_warmup: int = 2, n_repeat: int = 20) -> float:
+    """Kernel-only: median per call of CUDA-graph replays of ``calls`` calls of ``fn``.
+    ``fn`` must already have run once (compiled, plans built)."""
+    torch = tt.torch
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()            # warm-up on a side stream, as torch asks before capture
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        repeat_calls(fn, 2)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        repeat_calls(fn, calls)
+    ms = event_median_ms(g.replay, *_events(torch), n_warmup=n_warmup, n_repeat=n_repeat,
+                         per=calls)
+    del g
+    torch.cuda.synchronize()
+    return ms
+
+
+def eager_ms(tt: Torch, fn, *, calls: int = 20, n_warmup: int = 1, n_repeat: int = 5) -> float:
+    """Eager back-to-back: ``calls`` calls between two torch events on torch's current
+    stream, no sync inside; median of time / calls."""
+    torch = tt.torch
+    torch.cuda.synchronize()
+    return event_median_ms(lambda: repeat_calls(fn, calls), *_events(torch), n_warmup=n_warmup,
+                           n_repeat=n_repeat, per=calls)
+
+
+def _events(torch):
+    return (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True),
+            lambda a, b: a.elapsed_time(b))
+
+
+def sdpa_times(tt: Torch, tq, tk, tv, *, causal: bool, backend_name: str, graph_calls: int,
+               eager_calls: int, graph_reps: int = 20, eager_reps: int = 5):
+    """(kernel-only ms, eager ms) per call of SDPA forced to one backend on (B, H, S, D)
+    tensors, or (None, None) where the backend is missing or refuses the shape (checked by
+    an eager call first), or (None, eager) where only the capture fails."""
+    torch = tt.torch
+    backend = getattr(tt.sdpa_backend, backend_name, None)
+    if backend is None:
+        return None, None
+
+    def call():
+        torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
+
+    # The backend is forced once around everything, so the eager calls do not pay for
+    # entering the context manager each time.
+    with tt.sdpa_kernel(backend), torch.no_grad():
+        try:
+            torch.cuda.synchronize()
+            call()
+            torch.cuda.synchronize()
+        except Exception:            # not built here, or not for this shape / dtype
+            return None, None
+        eager = eager_ms(tt, call, calls=eager_calls, n_repeat=eager_reps)
+        try:
+            kernel = graph_ms(tt, call, calls=graph_calls, n_repeat=graph_reps)
+        except Exception as exc:     # capture refused: report eager only
+            print(f"torch SDPA {backend_name}: graph capture failed: {exc!r:.120}", flush=True)
+            torch.cuda.synchronize()
+            kernel = None
+    cupy.cuda.Device().synchronize()
+    return kernel, eager
