@@ -1,4 +1,4 @@
-"""Command line: ``python -m cuattn info | precompile | cache clear``."""
+"""Command line: ``cuattn`` (or ``python -m cuattn``) info | precompile | cache list/clear."""
 from __future__ import annotations
 
 import argparse
@@ -21,12 +21,15 @@ def _device_arch() -> str | None:
 
 def cmd_info(_args) -> int:
     import cupy
+    from cuda import bindings
 
     from . import __version__
     from .jit import cache, compiler
     print(f"cuattn        {__version__}")
     print(f"cupy          {cupy.__version__}")
-    print(f"nvrtc         {'.'.join(map(str, compiler.nvrtc_version()))}")
+    print(f"cuda-bindings {bindings.__version__}")
+    print(f"nvrtc         {'.'.join(map(str, compiler.nvrtc_version()))}, targets "
+          f"{' '.join(compiler.supported_archs())}")
     print(f"cuda headers  {compiler.cuda_include_dir()}")
     print(f"kernel source {compiler.cuda_src_dir()}")
     arch = _device_arch()
@@ -55,12 +58,25 @@ def cmd_precompile(args) -> int:
     from tqdm import tqdm
 
     from . import variants
-    from .jit import build
-    arch = args.arch or _device_arch()
+    from .jit import build, cache, compiler
+    if args.arch is not None:
+        arch, source = args.arch, "--arch"
+    else:
+        arch, source = _device_arch(), "this GPU's architecture"
     if arch is None:
         print("precompile: no CUDA device here; name the target with --arch (e.g. --arch sm_90)",
               file=sys.stderr)
         return 2
+    try:
+        compiler.check_arch(arch)
+        cache.check_writable(arch)
+    except ValueError as exc:
+        print(f"precompile: {source} {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"precompile: cannot store kernels in {cache.cache_dir()} ({exc}); "
+              "set CUATTN_CACHE_DIR to a writable directory", file=sys.stderr)
+        return 1
     todo = variants.shipped(args.ops)
     compiled = failed = 0
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:   # NVRTC releases the GIL
@@ -81,24 +97,60 @@ def cmd_cache(args) -> int:
     from .jit import cache
     if args.action == "clear":
         print(f"removed {cache.clear()} kernels from {cache.cache_dir()}")
-    else:
-        for p in cache.entries():
-            print(p)
+        return 0
+    entries = cache.entries()
+    for p in entries:
+        print(p)
+    if not entries:
+        print(f"no kernels in {cache.cache_dir()}")
     return 0
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive number of threads, got {text!r}")
+    return value
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a bad command line in one line (``--help`` shows the usage)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cuattn", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("info", help="device, versions, cache").set_defaults(fn=cmd_info)
-    p = sub.add_parser("precompile", help="compile the shipped kernel variants ahead of time")
-    p.add_argument("--arch", help="target such as sm_90 (default: the current device's)")
-    p.add_argument("--ops", nargs="+", help="ops to build (default: all)")
-    p.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 1)
+    from . import variants
+
+    ops = sorted(variants.SHIPPED)
+    prog = "python -m cuattn" if sys.argv[0].endswith("__main__.py") else "cuattn"
+    parser = _Parser(
+        prog=prog,
+        description="Ahead-of-time compilation and the on-disk kernel cache of cuattn. "
+                    "The cache is $CUATTN_CACHE_DIR (default ~/.cache/cuattn).",
+        epilog=f"'{prog} COMMAND --help' shows the options of a command.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub.add_parser("info", help="versions (cuattn, CuPy, cuda-bindings, NVRTC), the device, "
+                   "the cache directory and what is in it").set_defaults(fn=cmd_info)
+    p = sub.add_parser(
+        "precompile", help="compile the shipped kernel variants ahead of time",
+        description="Compile every kernel variant cuattn ships (or those of --ops) into the "
+                    "cache, in parallel. Variants outside that set compile on first use.")
+    p.add_argument("--arch", help="target architecture, sm_80 or newer, e.g. sm_80, sm_86, "
+                   "sm_89, sm_90 (default: this GPU's; required on a machine without one)")
+    p.add_argument("--ops", nargs="+", choices=ops, metavar="OP",
+                   help=f"build only these ops: {', '.join(ops)} (default: all)")
+    p.add_argument("-j", "--jobs", type=_positive_int, default=os.cpu_count() or 1, metavar="N",
+                   help="compiler threads (default: the number of CPUs, %(default)s here)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(fn=cmd_precompile)
-    p = sub.add_parser("cache", help="list or clear the kernel cache")
-    p.add_argument("action", choices=["clear", "list"])
+    p = sub.add_parser("cache", help="list or clear the kernel cache",
+                       description="list: print every cached kernel; clear: remove them all.")
+    p.add_argument("action", choices=["list", "clear"], help="list or clear")
     p.set_defaults(fn=cmd_cache)
     args = parser.parse_args(argv)
     return args.fn(args)

@@ -5,7 +5,7 @@ request's new key/value with reshape_and_cache (blocks handed out on demand from
 list, in scrambled order), then decodes one token per request with paged_attention, and
 checks the result against a NumPy attention over everything appended so far.
 
-    python examples/paged_decode.py
+    python examples/paged_decode.py    # exit 0: ran and matched; 1: wrong; 2: could not run
 """
 from __future__ import annotations
 
@@ -14,15 +14,12 @@ import sys
 
 import numpy as np
 
+from _example import need_gpu
+
 
 def main() -> int:
-    try:
-        import cupy
-        if cupy.cuda.runtime.getDeviceCount() == 0:
-            raise RuntimeError("no CUDA device")
-    except Exception as e:  # noqa: BLE001 - any failure here means "no usable GPU"
-        print(f"paged_decode: needs a CUDA GPU and CuPy ({e}); nothing to run here.")
-        return 0
+    need_gpu()
+    import cupy
     import ml_dtypes
 
     import cuattn

@@ -228,38 +228,6 @@ def test_cache_clear(tmp_path, monkeypatch):
     assert cache.clear() == 1 and cache.entries() == []
 
 
-# -- command line -----------------------------------------------------------------------------
-
-def _cli(*args, cache_dir):
-    env = dict(os.environ, CUATTN_CACHE_DIR=str(cache_dir), PYTHONPATH=str(REPO))
-    return subprocess.run([sys.executable, "-m", "cuattn", *args], env=env,
-                          capture_output=True, text=True, timeout=600)
-
-
-def test_cli_precompile_info_clear(tmp_path):
-    r = _cli("precompile", "--arch", "sm_90", "--ops", "merge", "-q", cache_dir=tmp_path)
-    assert r.returncode == 0, r.stderr
-    n = len(variants.shipped(["merge"]))
-    assert f"{n} variants, {n} compiled" in r.stdout
-    r = _cli("info", cache_dir=tmp_path)
-    assert r.returncode == 0 and f"({n} kernels" in r.stdout and "sm_90" in r.stdout
-    r = _cli("cache", "clear", cache_dir=tmp_path)
-    assert r.returncode == 0 and f"removed {n}" in r.stdout
-
-
-def test_cli_precompile_without_gpu_needs_arch(tmp_path):
-    from tests.conftest import HAS_GPU
-    if HAS_GPU:
-        pytest.skip("this machine has a GPU, so --arch is optional here")
-    r = _cli("precompile", cache_dir=tmp_path)
-    assert r.returncode == 2 and "--arch" in r.stderr
-
-
-def test_cli_unknown_op(tmp_path):
-    r = _cli("precompile", "--arch", "sm_90", "--ops", "nope", cache_dir=tmp_path)
-    assert r.returncode != 0 and "nope" in r.stderr
-
-
 # -- packaging --------------------------------------------------------------------------------
 
 @pytest.mark.slow

@@ -164,3 +164,12 @@ def clear() -> int:
         if sub.is_dir() and not any(sub.iterdir()):
             sub.rmdir()
     return removed
+
+
+def check_writable(arch: str) -> None:
+    """Raise OSError unless entries for ``arch`` can be stored (precompile asks first:
+    get_cubin itself degrades to memory, which would leave nothing behind)."""
+    directory = cache_dir() / arch
+    directory.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryFile(dir=directory):
+        pass

@@ -78,6 +78,43 @@ def nvrtc_version() -> tuple[int, int]:
     return int(major), int(minor)
 
 
+# -- target architectures ---------------------------------------------------------------------
+# The kernels use cp.async, bf16 mma.sync and ldmatrix: compute capability 8.0 (Ampere) and up.
+MIN_COMPUTE_CAPABILITY = 80
+_ARCH_RE = re.compile(r"sm_(\d{2,3})(a?)")
+
+
+@functools.cache
+def supported_archs() -> tuple[str, ...]:
+    """The targets cuattn compiles for with this NVRTC: its real architectures from sm_80 on."""
+    archs = _check(_nvrtc().nvrtcGetSupportedArchs(), "nvrtcGetSupportedArchs")
+    return tuple(f"sm_{cc}" for cc in archs if cc >= MIN_COMPUTE_CAPABILITY)
+
+
+def check_arch(arch) -> str:
+    """``arch`` itself if cuattn can compile for it, else a ValueError saying why.
+
+    Accepted: ``sm_XY`` with XY >= 80 that this NVRTC supports, optionally with the ``a``
+    suffix of the arch-specific targets (``sm_90a``, from sm_90 on). The message starts
+    with the value and ends with the supported list; callers prefix what it came from.
+    """
+    match = _ARCH_RE.fullmatch(arch) if isinstance(arch, str) else None
+    cc = int(match.group(1)) if match else None
+    if match is None:
+        problem = "is not an architecture name: expected sm_XY, such as sm_90"
+    elif cc < MIN_COMPUTE_CAPABILITY:
+        problem = (f"is below cuattn's minimum, compute capability "
+                   f"{MIN_COMPUTE_CAPABILITY // 10}.{MIN_COMPUTE_CAPABILITY % 10}")
+    elif match.group(2) and cc < 90:
+        problem = "has no arch-specific ('a') form: those start at sm_90a"
+    elif f"sm_{cc}" not in supported_archs():
+        problem = f"is not a target of NVRTC {'.'.join(map(str, nvrtc_version()))}"
+    else:
+        return arch
+    raise ValueError(f"{arch!r} {problem}; supported: {', '.join(supported_archs())} "
+                     "(and sm_90a etc. for the arch-specific features)")
+
+
 def compile_options(arch: str) -> list[str]:
     """Every option that reaches NVRTC (part of the cache key)."""
     return [
