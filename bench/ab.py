@@ -24,7 +24,8 @@ two outputs (a sanity check that both computed the same thing, not a tolerance t
 Configurations: the flash suite's (hd 64 / 128 at S 512..16384 and hd 256 at 2048 / 8192,
 causal and not), three split-KV shapes (the num_splits=0 rule splits them), varlen (16
 sequences of mixed lengths, 16384 tokens), the decode suite's (kv heads 8 and 32, its
-CONFIGS, v1 / v2 / auto), the merge suite's, and merge_states with 4 states.
+CONFIGS, v1 / v2 / auto), fp8 decode (the CUDA-core form), the merge suite's, and
+merge_states with 4 states.
 """
 from __future__ import annotations
 
@@ -123,6 +124,34 @@ def decode_cases(quick: bool, new) -> Iterator[Case]:
                        flush=True, detail=detail if version == "auto" else None)
 
 
+FP8_DECODE = [(8, 32, 4096), (8, 8, 32768), (32, 32, 4096), (8, 1, 32768)]  # kvh, batch, ctx
+
+
+def fp8_decode_cases(quick: bool) -> Iterator[Case]:
+    """The CUDA-core form (fp8 e4m3 caches as uint8, k_scale = v_scale = 0.05): 32 q heads,
+    head 128, block 16, random block tables over a cache of >= 1 GB, versions auto and v1."""
+    nblk_cache = 1 << 16
+    for kvh, batch, ctx in FP8_DECODE[:1] if quick else FP8_DECODE:
+        shape_k = (nblk_cache, kvh, 8, 16, 16)                    # x = 16 fp8 values
+        shape_v = (nblk_cache, kvh, 128, 16)
+        k_cache = cupy.full(shape_k, 0x38, dtype=np.uint8)        # e4m3 1.0
+        v_cache = cupy.full(shape_v, 0x30, dtype=np.uint8)        # e4m3 0.5
+        nblk = ctx // 16
+        tables = cupy.random.permutation(nblk_cache)[: batch * nblk].astype(np.int32)
+        tables = tables.reshape(batch, nblk)
+        lens = cupy.full((batch,), ctx, dtype=np.int32)
+        q = randn(batch, 32, 128)
+        for version in ("auto",) if quick else ("auto", "v2"):
+            def make(ca, version=version):
+                out = cupy.empty_like(q)
+                return (lambda: ca.paged_attention(q, k_cache, v_cache, tables, lens,
+                                                   k_scale=0.05, v_scale=0.05, version=version,
+                                                   out=out)), out
+            yield Case("decode fp8", f"kvh{kvh} {batch}x{ctx} {version}", make, calls=1,
+                       flush=True)
+        del k_cache, v_cache
+
+
 def merge_cases(quick: bool) -> Iterator[Case]:
     for t, h, d in suite_merge.configs(quick):
         a, la, b, lb = suite_merge.merge_inputs(t, h, d)
@@ -147,6 +176,7 @@ def cases(suites: list[str], quick: bool, new) -> Iterator[Case]:
         yield from varlen_cases(quick)
     if "decode" in suites:
         yield from decode_cases(quick, new)
+        yield from fp8_decode_cases(quick)
     if "merge" in suites:
         yield from merge_cases(quick)
 

@@ -124,9 +124,9 @@ class _Parser(argparse.ArgumentParser):
 
 
 def main(argv=None) -> int:
-    from . import variants
+    from .tuning import SHIPPED
 
-    ops = sorted(variants.SHIPPED)
+    ops = sorted(SHIPPED)
     prog = "python -m cuattn" if sys.argv[0].endswith("__main__.py") else "cuattn"
     parser = _Parser(
         prog=prog,

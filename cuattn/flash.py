@@ -8,8 +8,6 @@ Calls go through cuattn._launch: the checks below run once per call signature.
 """
 from __future__ import annotations
 
-import functools
-
 import cupy
 import numpy as np
 
@@ -17,7 +15,7 @@ from . import _arrays as A
 from . import tuning
 from ._dtypes import activation_dtype
 from ._launch import NULL, Launch, Plan, Slots, execute, plan_cache, plan_for
-from .jit import arch_of_device, get_kernel
+from .jit import device_info, get_kernel
 from .variants import FLASH_PARAMS, MASK_CAUSAL, MASK_NONE, MASK_WINDOW
 
 MAX_HEAD_DIM = 256
@@ -221,24 +219,6 @@ def _varlen_plan(arrays, max_seqlen_q, max_seqlen_k, causal, softmax_scale, wind
 
 # ---- the plan -------------------------------------------------------------------------------
 
-@functools.cache
-def _arch(device_id: int) -> str:
-    return arch_of_device(device_id)
-
-
-@functools.cache
-def _sm_count(device_id: int) -> int:
-    return cupy.cuda.Device(device_id).attributes["MultiProcessorCount"]
-
-
-@functools.cache
-def _smem_per_sm(device_id: int) -> int:
-    try:
-        return cupy.cuda.Device(device_id).attributes["MaxSharedMemoryPerMultiprocessor"]
-    except KeyError:
-        return 100 * 1024
-
-
 def _window_params(left, right, max_sq, max_sk):
     """Window bounds for the kernel: -1 (unbounded) becomes a value no row can reach."""
     unbounded = max_sq + max_sk + 1
@@ -272,7 +252,8 @@ def _plan(*, device_id, dtype, q, k, given_out, out_shape, lse_shape, num_args, 
         tuple((i, 4) for i in (cu_args or ()))
     common = dict(device_id=device_id, align=align, outputs=tuple(outputs), result=result)
 
-    arch = _arch(device_id)
+    device = device_info(device_id)
+    arch = device.arch
     base = tuning.flash_forward_variant(dtype.short, head_dim, mask=mask, split=False, arch=arch)
     m_blocks = -(-max_sq // base.block_m)
     if m_blocks == 0 or batch == 0:
@@ -281,10 +262,10 @@ def _plan(*, device_id, dtype, q, k, given_out, out_shape, lse_shape, num_args, 
     if num_splits == 0:
         # Resident blocks per SM: shared memory, and registers (the kernels use ~230-255
         # registers per thread, so count 255).
-        per_sm = max(1, min(_smem_per_sm(device_id) // max(base.dynamic_smem_bytes, 1),
+        per_sm = max(1, min(device.smem_per_sm // max(base.dynamic_smem_bytes, 1),
                             65536 // (255 * base.num_threads)))
         num_splits = tuning.flash_num_splits(batch * nheads * m_blocks, n_key_tiles,
-                                             _sm_count(device_id), per_sm)
+                                             device.sm_count, per_sm)
     num_splits = max(1, min(num_splits, max(n_key_tiles, 1), _MAX_GRID_YZ // batch))
     split = num_splits > 1
     variant = base

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-import cuattn
 from cuattn import tuning, variants
-from cuattn.jit import CompileError, Variant, cache, compile_variant, compiler
+from cuattn.jit import CompileError, Variant, cache, compiler
 from cuattn.jit.compiler import compile_ptx, parse_ptxas_report
+from tests.compiled import compile_reports, unclean
 
 REPO = Path(__file__).resolve().parent.parent
 KEY = tuning.merge_variant("bf16", 128, False)
@@ -60,15 +60,10 @@ def test_params_struct_layout_matches_cpp(cls):
 
 @pytest.mark.slow
 def test_every_shipped_variant_compiles_for_sm90_without_spills():
-    from concurrent.futures import ThreadPoolExecutor
-    todo = variants.shipped()
-    with ThreadPoolExecutor(os.cpu_count() or 2) as pool:
-        results = list(pool.map(lambda v: (v, compile_variant(v, "sm_90")), todo))
-    for v, res in results:
-        report = res.resources()
-        assert v.name in report, f"no ptxas report for {v.name}"
-        r = report[v.name]
-        assert (r.spill_stores, r.spill_loads, r.stack_bytes) == (0, 0, 0), f"{v.name}: {r}"
+    shipped = variants.shipped()
+    reports = compile_reports(shipped, "sm_90")
+    assert [v.name for v, _ in reports] == [v.name for v in shipped]
+    assert unclean(reports) == []
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_86", "sm_89"])
@@ -76,10 +71,8 @@ def test_representative_variants_compile_for_older_archs(arch):
     by_op: dict[str, list] = {}
     for v in variants.shipped():
         by_op.setdefault(v.op, []).append(v)
-    for op, vs in by_op.items():
-        for v in (vs[0], vs[-1]):
-            r = compile_variant(v, arch).resources()[v.name]
-            assert (r.spill_stores, r.spill_loads) == (0, 0), f"{v.name} on {arch}: {r}"
+    assert unclean(compile_reports([v for vs in by_op.values() for v in (vs[0], vs[-1])],
+                                   arch)) == []
 
 
 def test_compile_error_carries_name_and_log():
@@ -264,3 +257,35 @@ def test_installed_wheel_finds_its_kernel_sources(tmp_path):
     mod_file, src_dir, size = r.stdout.split()
     assert mod_file.startswith(str(site)) and src_dir.startswith(str(site))
     assert int(size) > 1000
+
+
+# -- the device check ---------------------------------------------------------------------------
+
+def test_no_usable_device_is_one_clear_error():
+    from tests.conftest import HAS_GPU
+    if HAS_GPU:
+        pytest.skip("this machine has a GPU")
+    from cuattn.jit import DeviceError, device_info
+    device_info.cache_clear()
+    with pytest.raises(DeviceError, match=r"no usable CUDA device 0 .*python -m cuattn info"):
+        device_info(0)
+
+
+def test_a_gpu_below_sm80_is_refused_before_any_compile(monkeypatch):
+    from cuattn.jit import DeviceError, device
+
+    class Turing:               # what cupy.cuda.Device reports for a T4
+        compute_capability = "75"
+        attributes = {"MultiProcessorCount": 40, "MaxSharedMemoryPerMultiprocessor": 65536,
+                      "MaxSharedMemoryPerBlockOptin": 65536}
+
+    monkeypatch.setattr(device.cupy.cuda, "Device", lambda device_id: Turing())
+    monkeypatch.setattr(device.cupy.cuda.runtime, "getDeviceProperties",
+                        lambda device_id: {"name": b"Tesla T4"})
+    device.device_info.cache_clear()
+    try:
+        with pytest.raises(DeviceError, match=r"device 0 \(Tesla T4\) has compute capability "
+                                              r"7\.5; cuattn's kernels need 8\.0"):
+            device.device_info(0)
+    finally:
+        device.device_info.cache_clear()

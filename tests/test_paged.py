@@ -8,19 +8,18 @@ sequence must not read holds NaN.
 from __future__ import annotations
 
 import math
-import os
-from concurrent.futures import ThreadPoolExecutor
 
 import ml_dtypes
 import numpy as np
 import pytest
 
 import cuattn
-from cuattn import jit, tuning
+from cuattn import tuning
 from cuattn.paged import HEAD_SIZES
 from cuattn.paged.forms import MmaForm, SimtForm, form_for
 from cuattn.tuning import PagedMmaTiles
-from cuattn.variants import PagedMmaVariant, PagedSimtVariant
+from cuattn.variants import PagedMmaVariant
+from tests.compiled import compile_reports, unclean
 from tests.reference import tolerance
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -31,18 +30,6 @@ E4M3_NAN = 0x7F
 
 
 # -- CPU --------------------------------------------------------------------------------------
-
-def _compile_all(variants, arch):
-    def one(v):
-        return v, jit.compile_variant(v, arch).resources()[v.name]
-    with ThreadPoolExecutor(os.cpu_count() or 2) as pool:
-        return list(pool.map(one, variants))
-
-
-def _assert_clean(results, arch):
-    for v, r in results:
-        assert (r.spill_stores, r.spill_loads, r.stack_bytes) == (0, 0, 0), f"{v.name} {arch}: {r}"
-
 
 def _odd_variants():
     """Outside the shipped set: every head size, block sizes 8 / 32, fp8, ALiBi, GQA 8, both
@@ -62,7 +49,7 @@ def _odd_variants():
 
 
 def test_odd_variants_compile_for_sm90_without_spills_or_stack():
-    _assert_clean(_compile_all(_odd_variants(), "sm_90"), "sm_90")
+    assert unclean(compile_reports(_odd_variants(), "sm_90")) == []
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_86", "sm_89"])
@@ -74,7 +61,7 @@ def test_representative_variants_compile_for_older_archs(arch):
           tuning.reshape_variant("bf16", "e4m3", True),
           tuning.paged_mma_variant("bf16", 128, 16, 4, 512, False),
           tuning.paged_mma_variant("f16", 256, 16, 8, 0, True)]
-    _assert_clean(_compile_all(vs, arch), arch)
+    assert unclean(compile_reports(vs, arch)) == []
 
 
 def test_paged_kv_cache_shapes():
@@ -158,7 +145,7 @@ def test_mma_rings_compile_for_sm90_without_spills_or_stack():
     vs = [PagedMmaVariant(dt, hs, bs, g, ps, False, r.num_warps, r.stages) for r in MMA_RINGS
           for dt, hs, bs, g, ps in [("bf16", 128, 16, 4, 512), ("bf16", 128, 16, 1, 0),
                                     ("f16", 64, 8, 8, 128), ("bf16", 256, 32, 2, 1024)]]
-    _assert_clean(_compile_all(vs, "sm_90"), "sm_90")
+    assert unclean(compile_reports(vs, "sm_90")) == []
 
 
 def test_params_packing_matches_pack():

@@ -7,9 +7,11 @@ written: L2 full of dirty lines the timed kernel must write back) and after a "c
 
 python bench/lab/decode_flush.py
 bf16, 32 query heads, head 128, block 16, random block table over a 1 GB+ cache.
+Public API only (shipped choices): nothing is overridden.
 """
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -28,6 +30,8 @@ SHAPES = [(8, 1, 32768), (8, 8, 4096), (8, 1, 4096), (32, 1, 32768), (8, 32, 409
 
 
 def main():
+    argparse.ArgumentParser(description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     ceil = measure_ceilings(quick=True)
     rows = []
     for kvh, batch, ctx in SHAPES:
@@ -55,7 +59,7 @@ def main():
                                                         flush_l2=mode, graph=1)
         row["% read BW (clean)"] = 100 * row["floor us"] / row["paged us (clean)"]
         rows.append(row)
-        del k, v
+        k = v = None   # free the caches (a closure above refers to them)
         cupy.get_default_memory_pool().free_all_blocks()
     print(format_table([ceil.row()], "ceilings"))
     print(format_table(rows, "dirty vs clean L2 before the timed call"))

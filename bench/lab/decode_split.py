@@ -4,9 +4,14 @@ replays).
 
 python bench/lab/decode_split.py [--flush clean|dirty]   (default clean; see harness.L2Flush)
 bf16, 32 query heads, head 128, block 16, batch 1 x 32768, 8 and 32 KV heads.
+Shipped choices (form, ring); the two kernels are read from the launch plan of one call
+(cuattn._launch.Plan in cuattn.paged.attention._plans: its launches, main kernel then
+reduce), their params packed with Launch.params over the call's pointers and a scratch
+buffer of the plan's size, and each launched alone.
 """
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -18,14 +23,29 @@ import numpy as np
 
 import cuattn
 from bench.harness import format_table, measure_ceilings, median_ms
-from cuattn import paged
+from cuattn import _launch
+from cuattn.paged import attention
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 CTX, HEADS, HS, BS = 32768, 32, 128, 16
 
 
+def _alone(launch, ptrs):
+    """Launch one kernel of a plan on the current stream (the one the harness captures)."""
+    params = launch.params(ptrs)
+
+    def run():
+        launch.kernel(launch.grid, launch.block, (params,), shared_mem=launch.smem,
+                      stream=cupy.cuda.get_current_stream())
+    return run
+
+
 def main():
-    flush = sys.argv[sys.argv.index("--flush") + 1] if "--flush" in sys.argv else "clean"
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--flush", default="clean", choices=("clean", "dirty"),
+                    help="L2 state before each rep (bench.harness.L2Flush)")
+    flush = ap.parse_args().flush
     ceil = measure_ceilings(quick=True)
     rng = np.random.default_rng(0)
     rows = []
@@ -41,37 +61,32 @@ def main():
         out = cupy.empty_like(q)
         mb = CTX * kvh * HS * 2 * 2 / 1e6
         for ps in (256, 512, 1024):
-            paged._plans.clear()
+            _launch.clear_plans()
 
             def call():
                 cuattn.paged_attention(q, k, v, bt, sl, version="v2", partition_size=ps, out=out)
             call()
-            plan = next(iter(paged._plans.values()))
-            scratch = cupy.cuda.alloc(plan.tmp_bytes)
-            tmp_out, tmp_lse = scratch.ptr, scratch.ptr + plan.tmp_out_bytes
-            params = np.frombuffer(
-                paged._PTR.pack(0, 0, tmp_out, tmp_lse, q.data.ptr, k.data.ptr, v.data.ptr,
-                                bt.data.ptr, sl.data.ptr, 0) + plan.tail, paged.PARAMS.dtype)[0]
-            rparams = np.frombuffer(paged._RPTR.pack(out.data.ptr, 0, tmp_out, tmp_lse,
-                                                     sl.data.ptr) + plan.rtail,
-                                    paged.REDUCE_PARAMS.dtype)[0]
-
-            def main_only():   # on the current stream: the one the harness captures
-                plan.kernel(plan.grid, plan.block, (params,), shared_mem=plan.smem,
-                            stream=cupy.cuda.get_current_stream())
-
-            def reduce_only():
-                plan.reduce(plan.rgrid, plan.rblock, (rparams,),
-                            stream=cupy.cuda.get_current_stream())
+            (plan,) = attention._plans.values()
+            main_launch, reduce_launch = plan.launches   # v2 with a non-empty context
+            assert not plan.outputs, "out is given: the plan allocates nothing"
+            scratch = cupy.cuda.alloc(plan.scratch_bytes)
+            # the pointer slots of cuattn._launch.Slots: null, the arguments in
+            # paged_attention's order (attention._NAMES), then the scratch parts
+            # (tmp_out, tmp_lse)
+            given = dict(q=q, k_cache=k, v_cache=v, block_tables=bt, seq_lens=sl, out=out)
+            ptrs = [0] + [given[n].data.ptr if n in given else 0 for n in attention._NAMES]
+            ptrs += [scratch.ptr + off for off in plan.scratch]
+            main_only, reduce_only = _alone(main_launch, ptrs), _alone(reduce_launch, ptrs)
             t = {name: 1e3 * median_ms(fn, n_warmup=5, n_repeat=30, flush_l2=flush, graph=1)
                  for name, fn in (("main", main_only), ("reduce", reduce_only), ("call", call))}
-            rows.append({"kv heads": kvh, "partition": ps, "blocks": int(np.prod(plan.grid)),
+            rows.append({"kv heads": kvh, "partition": ps,
+                         "blocks": int(np.prod(main_launch.grid)),
                          "main us": t["main"], "reduce us": t["reduce"], "call us": t["call"],
                          "floor us": mb / ceil.read_gbps * 1e3,
                          "% read BW (call)": 100 * mb / ceil.read_gbps * 1e3 / t["call"]})
             del scratch
-        paged._plans.clear()
-        del k, v
+        _launch.clear_plans()
+        k = v = None   # free the caches (a closure above refers to them)
         cupy.get_default_memory_pool().free_all_blocks()
     print(format_table([ceil.row()], "ceilings"))
     print(format_table(rows, f"batch 1 x 32768, v2: main kernel / reduce / whole call ({flush} L2)"))

@@ -3,14 +3,25 @@
 python bench/lab/decode_sweep.py [--repeat 20] [--knobs LABEL ...] [--flush clean|dirty]
 
 bf16, 32 query heads, head 128, block 16 (the decode suite's shapes). For each configuration
-it times every candidate (version x partition_size x the form -- CUDA-core PagedVariant or
-tensor-core PagedMmaVariant -- and its knobs, forced through paged._MMA_OVERRIDES /
-paged._VARIANT_OVERRIDES) with L2 flushed and CUDA graph replays, and prints one Markdown table per configuration with the best marked, then
-the host microseconds per call of paged_attention at batch 1 x 4096. A candidate that fails
-(compile error, launch error, wrong result) prints its error in its row. Every candidate's
-output is checked against the CUDA-core v2 kernel's (which passed the GPU tests).
-Results go into cuattn/tuning.py by hand ("paged" section): PAGED_MMA, paged_mma_tiles,
-PAGED_MMA_MIN_GROUP, the CUDA-core knobs, paged_version's constants.
+it times every candidate (version x partition_size x the form -- the CUDA-core
+PagedSimtVariant or the tensor-core PagedMmaVariant -- and, for the tensor-core form, its
+ring: PagedMmaTiles num_warps / stages), each forced with ``cuattn.tuning.override(
+paged_form=..., paged_mma=...)`` (which drops the cached launch plans on entry and exit),
+with L2 flushed and CUDA graph replays, and prints one Markdown table per configuration with
+the best marked, then the host microseconds per call of paged_attention at batch 1 x 4096
+(shipped choices, fresh plans). A candidate that fails (compile error, launch error, wrong
+result) prints its error in its row. Every candidate's output is checked against the
+CUDA-core v2 kernel's (which passed the GPU tests).
+Results go into cuattn/tuning.py by hand ("paged" section): paged_form, paged_mma_tiles,
+paged_mma_partition / paged_mma_plan, PAGED_SIMT_PARTITION_SIZE / paged_simt_plan.
+
+Retired sweep dimensions: measured, then removed from the kernels (commit d694b98); the
+sweeps that measured them are this script at commit d8d8b39 and earlier (git history):
+- the CUDA-core form's software PIPELINE, min_blocks and num_threads (bench/NOTES.md "paged
+  round 2"): no pipeline, min_blocks 1, threads fixed at tuning.PAGED_SIMT_NUM_THREADS;
+- the tensor-core form's 32-token tile and P hi/lo split (p_split) (bench/NOTES.md "paged
+  round 3") and L2 evict-first policy (evict_first) ("paged round 4"): 16-token tiles, P
+  split and evict-first always on.
 """
 from __future__ import annotations
 
@@ -28,7 +39,9 @@ import numpy as np
 
 import cuattn
 from bench.harness import format_table, host_us_per_call, measure_ceilings, median_ms
-from cuattn import jit, paged, tuning
+from cuattn import _launch, jit, tuning
+from cuattn.paged.forms import form_for
+from cuattn.tuning import PagedMmaTiles
 
 NUM_HEADS, HEAD_SIZE, BLOCK_SIZE = 32, 128, 16
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -44,25 +57,27 @@ CONFIGS = [
     (32, 1, 32768, 80),    # group 1, split: 83%
 ]
 
-# Candidates: (label, tensor-core knobs or None for the CUDA-core form, CUDA-core knobs).
-# The first (the CUDA-core form as shipped in round 2, which passed the GPU tests) is the
-# reference every other output is checked against. Round 2's CUDA-core knob sweep (pipeline,
-# min_blocks, threads) is in bench/NOTES.md; its winner is the shipped default below.
-# Tensor-core knobs: PagedMmaVariant's num_warps / stages / tile / p_split / evict_first
-# (tests/test_paged.py MMA_KNOBS, which compiles and checks each).
+# Candidates: (label, form ("simt" = CUDA cores, "mma" = tensor cores), PagedMmaTiles of the
+# tensor-core form or None). The first (the CUDA-core form as shipped, which passed the GPU
+# tests) is the reference every other output is checked against. The rings are those of
+# tests/test_paged.py MMA_RINGS (compiled and checked there); "mma w4 st3" is the table's
+# ring at head 128 (tuning.paged_mma_tiles).
 KNOBS = [
-    ("cuda-core t128", None, {}),
-    ("mma w4 st3 t16", {}, {}),
-    ("mma st4", dict(stages=4), {}),
-    ("mma st2", dict(stages=2), {}),
-    ("mma tile32 st2", dict(tile=32, stages=2), {}),
-    ("mma w8", dict(num_warps=8), {}),
-    ("mma w2 st4", dict(num_warps=2, stages=4), {}),
-    ("mma no p-split", dict(p_split=0), {}),
-    ("mma no evict-first", dict(evict_first=0), {}),
+    (f"cuda-core t{tuning.PAGED_SIMT_NUM_THREADS}", "simt", None),
+    ("mma w4 st3", "mma", PagedMmaTiles(num_warps=4, stages=3)),
+    ("mma st4", "mma", PagedMmaTiles(stages=4)),
+    ("mma st2", "mma", PagedMmaTiles(stages=2)),
+    ("mma w8", "mma", PagedMmaTiles(num_warps=8)),
+    ("mma w2 st4", "mma", PagedMmaTiles(num_warps=2, stages=4)),
 ]
 # (version, partition_size); v1 only where the whole context is short.
 VERSIONS = [("v1", 512), ("v2", 256), ("v2", 512), ("v2", 1024)]
+
+
+def _use(form, ring):
+    """The override that points paged_attention at one candidate (plans dropped on entry
+    and exit)."""
+    return tuning.override(paged_form=form, **({} if ring is None else {"paged_mma": ring}))
 
 
 def _make_inputs(kvh, batch, ctx, k_cache, v_cache, num_blocks, rng):
@@ -88,24 +103,16 @@ def _caches(kvh, need_blocks):
     return k_cache, v_cache, num_blocks
 
 
-def _use(mma, classic):
-    """Point paged_attention at one candidate (and drop its cached plans)."""
-    paged._VARIANT_OVERRIDES.clear()
-    paged._VARIANT_OVERRIDES.update(classic)
-    paged._MMA_OVERRIDES.clear()
-    paged._MMA_OVERRIDES.update({"use": False} if mma is None else {"use": True, **mma})
-    paged._plans.clear()
-
-
-def _variant(kvh, mma, classic, ver, ps):
-    _use(mma, classic)
-    group = min(NUM_HEADS // kvh, tuning.PAGED_MAX_GROUP)
-    return paged._variant("bf16", "bf16", HEAD_SIZE, BLOCK_SIZE, group,
-                          0 if ver == "v1" else ps, False)
+def _variant(kvh, form, ring, ver, ps):
+    """The main kernel's key paged_attention runs for this candidate."""
+    group = tuning.paged_group(NUM_HEADS // kvh)
+    with _use(form, ring):
+        return form_for("bf16", HEAD_SIZE, group).variant(
+            "bf16", "bf16", HEAD_SIZE, BLOCK_SIZE, group, 0 if ver == "v1" else ps, False)
 
 
 def _variants(kvh, knobs, versions):
-    return [_variant(kvh, mma, classic, ver, ps) for _, mma, classic in knobs
+    return [_variant(kvh, form, ring, ver, ps) for _, form, ring in knobs
             for ver, ps in versions]
 
 
@@ -123,8 +130,8 @@ def _precompile(variants, arch):
         print("compile failed:", e, file=sys.stderr)
 
 
-def _regs(kvh, mma, classic, ver, ps):
-    v = _variant(kvh, mma, classic, ver, ps)
+def _regs(kvh, form, ring, ver, ps):
+    v = _variant(kvh, form, ring, ver, ps)
     try:
         f = jit.get_kernel(v, cupy.cuda.Device().id)
         drv = cupy.cuda.driver
@@ -134,7 +141,8 @@ def _regs(kvh, mma, classic, ver, ps):
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeat", type=int, default=20)
     ap.add_argument("--knobs", nargs="*", help="labels of the candidates to time (default: all)")
     ap.add_argument("--flush", default="clean", choices=("clean", "dirty"),
@@ -148,10 +156,12 @@ def main():
     ceil = measure_ceilings(quick=True)
     print(format_table([ceil.row()], "ceilings"))
     print(f"L2 flush before each rep: {args.flush}")
-    print(f"defaults: PAGED_PIPELINE={tuning.PAGED_PIPELINE}, PAGED_NUM_THREADS="
-          f"{tuning.PAGED_NUM_THREADS}, SMs={sms}\n")
+    print(f"defaults: PAGED_SIMT_NUM_THREADS={tuning.PAGED_SIMT_NUM_THREADS}, "
+          f"paged_mma_tiles({HEAD_SIZE})={tuning.paged_mma_tiles(HEAD_SIZE)}, "
+          f"PAGED_REDUCE_GROUPS={tuning.PAGED_REDUCE_GROUPS}, SMs={sms}\n")
     _precompile([v for kvh in sorted({c[0] for c in CONFIGS})
-                 for v in _variants(kvh, knobs, VERSIONS)], arch)
+                 for v in _variants(kvh, knobs, VERSIONS)]
+                + [tuning.paged_reduce_variant("bf16", HEAD_SIZE)], arch)
     print(f"(precompiled in {time.time() - t_start:.0f} s)\n", flush=True)
 
     rng = np.random.default_rng(0)
@@ -163,38 +173,37 @@ def main():
             q, bt, sl = _make_inputs(kvh, batch, ctx, k_cache, v_cache, num_blocks, rng)
             out = cupy.empty_like(q)
             kv_bytes = batch * ctx * kvh * HEAD_SIZE * BF16.itemsize * 2
-            _use(KNOBS[0][1], KNOBS[0][2])   # the reference candidate, v2
-            ref = cuattn.paged_attention(q, k_cache, v_cache, bt, sl, version="v2")
-            ref = ref.get().astype(np.float32)
+            with _use(KNOBS[0][1], KNOBS[0][2]):   # the reference candidate, v2
+                ref = cuattn.paged_attention(q, k_cache, v_cache, bt, sl, version="v2")
+                ref = ref.get().astype(np.float32)
             rows, best = [], None
-            for label, mma, classic in knobs:
+            for label, form, ring in knobs:
                 for ver, ps in VERSIONS:
                     if ver == "v1" and ctx > 4096:
                         continue
                     if ver == "v2" and ps >= ctx:
                         continue
                     row = {"knobs": label, "version": ver if ver == "v1" else f"v2 p{ps}"}
-                    _use(mma, classic)
                     try:
-                        def call(ver=ver, ps=ps):
-                            cuattn.paged_attention(q, k_cache, v_cache, bt, sl, version=ver,
-                                                   partition_size=ps, out=out)
-                        call()
-                        err = float(np.abs(out.get().astype(np.float32) - ref).max())
-                        if not err <= 2e-3 + 1e-2 * float(np.abs(ref).max()):
-                            raise AssertionError(f"max |out - default| = {err:.3g}")
-                        ms = median_ms(call, n_warmup=3, n_repeat=args.repeat,
-                                       flush_l2=args.flush, graph=1)
+                        with _use(form, ring):
+                            def call(ver=ver, ps=ps):
+                                cuattn.paged_attention(q, k_cache, v_cache, bt, sl,
+                                                       version=ver, partition_size=ps, out=out)
+                            call()
+                            err = float(np.abs(out.get().astype(np.float32) - ref).max())
+                            if not err <= 2e-3 + 1e-2 * float(np.abs(ref).max()):
+                                raise AssertionError(f"max |out - default| = {err:.3g}")
+                            ms = median_ms(call, n_warmup=3, n_repeat=args.repeat,
+                                           flush_l2=args.flush, graph=1)
                         gbps = kv_bytes / ms / 1e6
                         pct = 100.0 * gbps / ceil.read_gbps
-                        row.update({"regs": _regs(kvh, mma, classic, ver, ps), "us": ms * 1e3,
+                        row.update({"regs": _regs(kvh, form, ring, ver, ps), "us": ms * 1e3,
                                     "GB/s": gbps, "% read BW": pct})
                         if best is None or ms < best[0]:
                             best = (ms, len(rows), pct)
                     except Exception as exc:   # report the failure, keep sweeping
                         row["error"] = f"{type(exc).__name__}: {str(exc)[:90]}"
                     rows.append(row)
-            _use(None, {})
             if best is not None:
                 rows[best[1]]["best"] = "**best**"
                 summary.append({"kv heads": kvh, "batch": batch, "ctx": ctx,
@@ -207,10 +216,9 @@ def main():
         cupy.get_default_memory_pool().free_all_blocks()
     print(format_table(summary, "best per configuration"))
 
-    # Host cost of the whole Python path at batch 1 x 4096 (8 KV heads), shipped defaults.
-    paged._VARIANT_OVERRIDES.clear()
-    paged._MMA_OVERRIDES.clear()
-    paged._plans.clear()
+    # Host cost of the whole Python path at batch 1 x 4096 (8 KV heads), shipped defaults
+    # (no override is active here), from fresh plans.
+    _launch.clear_plans()
     k_cache, v_cache, num_blocks = _caches(8, 4096 // BLOCK_SIZE)
     q, bt, sl = _make_inputs(8, 1, 4096, k_cache, v_cache, num_blocks, rng)
     out = cupy.empty_like(q)

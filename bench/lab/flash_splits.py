@@ -3,11 +3,13 @@
 python bench/lab/flash_splits.py
 For short-query / long-key shapes (decode-like prefill, chunked prefill) it times
 num_splits = 1, 2, 4, ..., 64 and the automatic choice, and prints microseconds with the
-best marked, so the rule (cuattn.flash.choose_num_splits) and FLASH_MIN_TILES_PER_SPLIT /
-FLASH_MAX_SPLITS in cuattn/tuning.py can be checked against measurement.
+best marked, so the rule (cuattn.tuning.flash_num_splits) and FLASH_MIN_TILES_PER_SPLIT /
+FLASH_MAX_SPLITS in cuattn/tuning.py can be checked against measurement. Public API only
+(num_splits is an argument of flash_forward): nothing is overridden.
 """
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -29,6 +31,8 @@ SPLITS = (1, 2, 4, 8, 16, 32, 64)
 
 
 def main():
+    argparse.ArgumentParser(description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     rows = []
     for b, sq, sk, h, hkv, d in SHAPES:
         q = cupy.random.standard_normal((b, sq, h, d), dtype=np.float32).astype(ml_dtypes.bfloat16)

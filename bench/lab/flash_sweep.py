@@ -3,10 +3,12 @@
 python bench/lab/flash_sweep.py [--seqlens 4096 16384] [--hd 64 128] [--only SUBSTR ...]
 For each (head dim, causal) of the benchmark configuration it times every candidate
 FlashTiles (BLOCK_M, BLOCK_N, NUM_WARPS, STAGES and the knobs q_smem / kv_split / softmax,
-see cuda_src/flash_fwd.cuh and bench/NOTES.md (flash)) by swapping the tuning table's
-choice, and prints TFLOP/s (CUDA-graph replays) with the best marked. Every candidate's
-output is compared with the shipped kernel's (a wrong one is marked WRONG, never best); a
-candidate that fails to compile or launch prints its error and the sweep goes on.
+see cuda_src/flash_fwd.cuh and bench/NOTES.md (flash)) by forcing it with
+``cuattn.tuning.override(flash_tiles=...)`` (which drops the cached launch plans on entry and
+exit), and prints TFLOP/s (CUDA-graph replays) with the best marked; the "shipped" column
+is the tuning table's choice (cuattn.tuning.flash_tiles). Every candidate's output is
+compared with the shipped kernel's (a wrong one is marked WRONG, never best); a candidate
+that fails to compile or launch prints its error and the sweep goes on.
 Results go into cuattn/tuning.py by hand, with the numbers in a comment.
 """
 from __future__ import annotations
@@ -24,10 +26,12 @@ def _t(bm, bn, w, st, **knobs):
     return FlashTiles(bm, bn, w, st, **knobs)
 
 
-# Every candidate compiles for sm_90 with no spills and no stack, non-causal and causal
-# except FULL_ONLY (tests/test_flash.py::test_sweep_candidates_compile_for_sm90_without_spills
-# checks it). Registers / smem of each: bench/NOTES.md (flash) (v2 knobs).
-# The first of each list is today's tuned choice; the labels are label(t).
+# Every candidate compiled for sm_90 with no spills and no stack, non-causal and causal
+# except FULL_ONLY, when this list was written (tests/test_flash.py KNOB_TILES /
+# test_knob_tiles_compile_for_sm90_without_spills keep checking the knob space that these
+# reach). Registers / smem of each: bench/NOTES.md (flash) (v2 knobs).
+# The first of each list was the tuned choice of the v1 measurement (the table's shipped
+# choice now is printed in the "shipped" column); the labels are label(t).
 CANDIDATES = {
     64: [
         _t(64, 64, 4, 3),                                   # tuned (302/313 | 280/308)
@@ -80,20 +84,18 @@ def _precompile(cands, arch="sm_90", jobs=16):
     """Compile every candidate (non-causal and causal) in parallel before timing."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from cuattn import flash, tuning
+    from cuattn import tuning
     from cuattn.jit import build
+    from cuattn.variants import MASK_CAUSAL, MASK_NONE
     todo = {}
-    shipped = tuning.flash_tiles
-    try:
-        for hd, ts in cands.items():
-            for t in ts:
-                tuning.flash_tiles = lambda a, h, masked, t=t: t
+    for hd, ts in cands.items():
+        for t in ts:
+            with tuning.override(flash_tiles=t):
                 for causal in (False,) if (hd, label(t)) in FULL_ONLY else (False, True):
-                    v = flash.forward_variant("bf16", hd, causal=causal, window=False,
-                                              split=False, arch=arch)
+                    v = tuning.flash_forward_variant(
+                        "bf16", hd, mask=MASK_CAUSAL if causal else MASK_NONE, split=False,
+                        arch=arch)
                     todo[v] = label(t)
-    finally:
-        tuning.flash_tiles = shipped
     with ThreadPoolExecutor(max_workers=jobs) as pool:   # NVRTC releases the GIL
         futs = {pool.submit(build, v, arch): v for v in todo}
         for fut, v in futs.items():
@@ -113,7 +115,8 @@ def main():
     from cuattn import tuning
     from cuattn.jit import arch_of_device
 
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seqlens", type=int, nargs="+", default=[4096, 16384])
     ap.add_argument("--hd", type=int, nargs="+", default=sorted(CANDIDATES))
     ap.add_argument("--only", nargs="+", default=None,
@@ -122,8 +125,8 @@ def main():
     cands = {hd: [t for t in CANDIDATES[hd]
                   if args.only is None or any(o in label(t) for o in args.only)]
              for hd in args.hd}
-    _precompile(cands, arch_of_device(cupy.cuda.Device().id))
-    shipped = tuning.flash_tiles
+    arch = arch_of_device(cupy.cuda.Device().id)
+    _precompile(cands, arch)
     rows = []
     for hd, ts in cands.items():
         for s in args.seqlens:
@@ -135,17 +138,17 @@ def main():
                 flops = 4 * b * h * s * s * hd / (2 if causal else 1)
                 ref = cuattn.flash_forward(q, k, v, causal=causal).astype(np.float32)
                 row = {"config": f"hd{hd} S{s} {'causal' if causal else 'full'}",
-                       "shipped": label(shipped("sm_90", hd, causal))}
+                       "shipped": label(tuning.flash_tiles(arch, hd, masked=causal))}
                 best = (0.0, None)
                 for t in ts:
                     if causal and (hd, label(t)) in FULL_ONLY:
                         row[label(t)] = "-"
                         continue
-                    tuning.flash_tiles = lambda arch, hd_, masked, t=t: t
                     try:
-                        ms = median_ms(lambda: cuattn.flash_forward(q, k, v, causal=causal,
-                                                                    out=out),
-                                       graph=3, n_warmup=3, n_repeat=15)
+                        with tuning.override(flash_tiles=t):
+                            ms = median_ms(lambda: cuattn.flash_forward(q, k, v, causal=causal,
+                                                                        out=out),
+                                           graph=3, n_warmup=3, n_repeat=15)
                         tf = flops / ms / 1e9
                         err = float(cupy.abs(out.astype(np.float32) - ref).max())
                         if not err <= 0.02:   # NaN too
@@ -155,13 +158,11 @@ def main():
                             best = max(best, (tf, label(t)), key=lambda x: x[0])
                     except Exception as exc:   # report, keep sweeping
                         row[label(t)] = f"error: {type(exc).__name__}: {str(exc)[:60]}"
-                    finally:
-                        tuning.flash_tiles = shipped
                 row["best"] = str(best[1])
                 rows.append(row)
                 print(row, flush=True)
                 del ref
-            del q, k, v, out
+            q = k = v = out = None   # free them (the timed lambda refers to them)
             cupy.get_default_memory_pool().free_all_blocks()
     print(format_table(rows, "flash sweep, bf16, TFLOP/s (BM x BN x warps w stages s "
                              "+ knobs: qs = q_smem, kvs = kv_split, smN = softmax N; "

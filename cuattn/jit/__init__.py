@@ -11,12 +11,14 @@ import cupy
 
 from . import cache, compiler
 from .compiler import CompileError, CompileResult, Resources, compile_cubin, nvrtc_version
+from .device import DeviceError, DeviceInfo, device_info
 from .params import ParamsStruct
 from .variant import Variant
 
-__all__ = ["CompileError", "CompileResult", "ParamsStruct", "Resources", "Variant",
-           "arch_of_device", "build", "cache", "compile_variant", "compiler", "get_kernel",
-           "max_dynamic_smem", "nvrtc_version", "set_max_dynamic_smem"]
+__all__ = ["CompileError", "CompileResult", "DeviceError", "DeviceInfo", "ParamsStruct",
+           "Resources", "Variant", "arch_of_device", "build", "cache", "compile_variant",
+           "compiler", "device_info", "get_kernel", "max_dynamic_smem", "nvrtc_version",
+           "set_max_dynamic_smem"]
 
 _loaded: dict[tuple[int, Variant], "cupy.cuda.function.Function"] = {}
 _modules: list = []          # keep modules alive as long as their functions
@@ -24,8 +26,8 @@ _lock = threading.Lock()
 
 
 def arch_of_device(device_id: int) -> str:
-    """``sm_XY`` of a device (CuPy reports the compute capability as "XY")."""
-    return "sm_" + cupy.cuda.Device(device_id).compute_capability
+    """``sm_XY`` of a device (a DeviceError for none, or one below sm_80)."""
+    return device_info(device_id).arch
 
 
 def compile_variant(key: Variant, arch: str) -> CompileResult:
@@ -72,7 +74,7 @@ def max_dynamic_smem(function, device_id: int) -> int:
     """The most dynamic shared memory ``function`` can be given on ``device_id``: the
     device's opt-in limit per block less the kernel's static shared memory."""
     driver = cupy.cuda.driver
-    optin = cupy.cuda.Device(device_id).attributes["MaxSharedMemoryPerBlockOptin"]
+    optin = device_info(device_id).smem_per_block_optin
     return optin - driver.funcGetAttribute(driver.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES,
                                            function.ptr)
 

@@ -10,6 +10,7 @@ recompiled; an unwritable directory degrades to compiling in memory, with one wa
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import re
@@ -28,6 +29,18 @@ def cache_dir() -> Path:
     return Path(os.environ.get("CUATTN_CACHE_DIR") or Path.home() / ".cache" / "cuattn")
 
 
+@functools.cache
+def _file(path: Path, mtime_ns: int, size: int) -> tuple[str, bytes]:
+    """(text, sha256) of a file as of (mtime, size): each header is read once per process."""
+    data = path.read_bytes()
+    return data.decode(errors="replace"), hashlib.sha256(data).digest()
+
+
+def _read(path: Path) -> tuple[str, bytes]:
+    st = path.stat()
+    return _file(path, st.st_mtime_ns, st.st_size)
+
+
 def included_files(source: str) -> list[Path]:
     """Every cuda_src/ file a source includes with "quotes", transitively, in a stable order."""
     root = compiler.cuda_src_dir()
@@ -38,7 +51,7 @@ def included_files(source: str) -> list[Path]:
             path = (root / rel).resolve()
             if path not in seen and path.is_file():
                 seen[path] = None
-                pending.append(path.read_text())
+                pending.append(_read(path)[0])
     return sorted(seen)
 
 
@@ -51,14 +64,14 @@ def digest(source: str, arch: str) -> str:
         h.update(part.encode() + b"\0")
     ours = included_files(source)
     for path in ours:
-        h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+        h.update(str(path.relative_to(root)).encode() + b"\0" + _read(path)[1])
     # The CUDA headers we include (cuda_bf16.h, ...) may come from another package
     # version than NVRTC itself: hash the ones named directly.
     cuda_inc = Path(compiler.cuda_include_dir())
-    for text in [source] + [p.read_text() for p in ours]:
+    for text in [source] + [_read(p)[0] for p in ours]:
         for rel in _SYSTEM_INCLUDE_RE.findall(text):
             if (path := cuda_inc / rel).is_file():
-                h.update(rel.encode() + b"\0" + path.read_bytes() + b"\0")
+                h.update(rel.encode() + b"\0" + _read(path)[1])
     return h.hexdigest()[:20]
 
 

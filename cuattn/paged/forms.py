@@ -15,12 +15,7 @@ import functools
 import cupy
 
 from .. import tuning
-from ..jit import Variant, get_kernel, max_dynamic_smem, set_max_dynamic_smem
-
-
-@functools.cache
-def _sm_count(device_id: int) -> int:
-    return cupy.cuda.Device(device_id).attributes["MultiProcessorCount"]
+from ..jit import Variant, device_info, get_kernel, max_dynamic_smem, set_max_dynamic_smem
 
 
 class V1TooLong(ValueError):
@@ -59,7 +54,7 @@ class MmaForm(PagedForm):
                                         alibi)
 
     def choose(self, version, partition_size, num_ctas_v1, max_context, device_id, v1_key):
-        num_sms = _sm_count(device_id)
+        num_sms = device_info(device_id).sm_count
         if version == "auto":
             return tuning.paged_mma_plan(num_ctas_v1, max_context, num_sms, partition_size)
         if version == "v2" and partition_size is None:

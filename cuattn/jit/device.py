@@ -1,0 +1,45 @@
+"""What cuattn asks of a device, asked once per device and process: its architecture
+(checked against cuattn's minimum before anything is compiled), multiprocessors and shared
+memory. A machine without a usable device, or a GPU below sm_80, gets one clear error."""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import cupy
+
+from .compiler import MIN_COMPUTE_CAPABILITY
+
+
+class DeviceError(RuntimeError):
+    """No usable CUDA device, or one cuattn's kernels cannot run on."""
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    id: int
+    name: str
+    arch: str                    # sm_XY
+    sm_count: int
+    smem_per_sm: int             # bytes of shared memory per multiprocessor
+    smem_per_block_optin: int    # the most one block may be given (after opting in)
+
+
+@functools.cache
+def device_info(device_id: int) -> DeviceInfo:
+    try:
+        dev = cupy.cuda.Device(device_id)
+        cc = dev.compute_capability
+        attrs = dev.attributes
+        name = cupy.cuda.runtime.getDeviceProperties(device_id)["name"].decode()
+    except cupy.cuda.runtime.CUDARuntimeError as exc:
+        raise DeviceError(f"cuattn: no usable CUDA device {device_id} ({exc}); "
+                          "`python -m cuattn info` shows what this machine has") from None
+    if int(cc) < MIN_COMPUTE_CAPABILITY:
+        raise DeviceError(
+            f"cuattn: device {device_id} ({name}) has compute capability {cc[:-1]}.{cc[-1]}; "
+            f"cuattn's kernels need {MIN_COMPUTE_CAPABILITY // 10}.{MIN_COMPUTE_CAPABILITY % 10} "
+            "or newer (sm_80+: cp.async, bf16 mma.sync)")
+    return DeviceInfo(device_id, name, "sm_" + cc, attrs["MultiProcessorCount"],
+                      attrs.get("MaxSharedMemoryPerMultiprocessor", 100 * 1024),
+                      attrs["MaxSharedMemoryPerBlockOptin"])
