@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# One device call of a session's verification, by stage, every log under OUTDIR:
+#   scripts/device_session.sh OUTDIR tests      info, precompile, the GPU test suite but fuzz
+#   scripts/device_session.sh OUTDIR fuzz       the fuzz suite (CUATTN_FUZZ_CASES, default 300)
+#   scripts/device_session.sh OUTDIR ab         bench/ab.py against AB_OLD (default out/ab_old,
+#                                               made by scripts/ab_prepare.sh), then the host-
+#                                               cost and cold-start suites
+#   scripts/device_session.sh OUTDIR peers      the flash suite (cuattn, FA2, cuDNN; both methods)
+#   scripts/device_session.sh OUTDIR sanitize   scripts/sanitize.sh (TOOLS=... to pick)
+# Several stages in one call: scripts/device_session.sh OUTDIR tests fuzz. Each stage runs
+# under its own time limit (<STAGE>_TIMEOUT seconds) so that a call returns its logs.
+# CUATTN_CACHE_DIR defaults to out/cache (carry it to reuse kernels compiled elsewhere).
+set -uo pipefail
+out=${1:?usage: scripts/device_session.sh OUTDIR STAGE...}
+shift
+mkdir -p "$out" && out=$(cd "$out" && pwd)
+cd "$(dirname "$0")/.." || exit 2
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+export CUATTN_CACHE_DIR=${CUATTN_CACHE_DIR:-$PWD/out/cache}
+export CUATTN_TEST_KEEP_CACHE=1
+status=0
+
+run() {   # run NAME TIMEOUT CMD...: CMD's output to the console and OUTDIR/NAME.txt
+  local name=$1 limit=$2
+  shift 2
+  echo "== $name ($(date +%T), limit ${limit}s): $*"
+  timeout "$limit" "$@" 2>&1 | tee "$out/$name.txt"
+  local rc=${PIPESTATUS[0]}
+  echo "== $name exit $rc"
+  [ "$rc" = 0 ] || status=1
+}
+
+for stage in "$@"; do
+  case $stage in
+    tests)
+      run info 60 python3 -m cuattn info
+      run precompile 60 python3 -m cuattn precompile -q
+      run pytest "${TESTS_TIMEOUT:-420}" python3 -m pytest -q -m gpu -p no:cacheprovider -rfE \
+          --ignore=tests/test_fuzz.py ${PYTEST_ARGS:-} tests/ ;;
+    fuzz)
+      run fuzz "${FUZZ_TIMEOUT:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider -rfE \
+          tests/test_fuzz.py ;;
+    ab)
+      run ab "${AB_TIMEOUT:-360}" python3 bench/ab.py --old "${AB_OLD:-out/ab_old}" \
+          --json "$out/ab.json"
+      run host 90 python3 -m bench.suite_host --profile
+      run cold 90 python3 bench/cold_start.py ;;
+    peers)
+      run peers "${PEERS_TIMEOUT:-240}" python3 bench/run.py --suite flash --json "$out/peers.json" ;;
+    sanitize)
+      run sanitize "${SANITIZE_TIMEOUT_ALL:-540}" bash scripts/sanitize.sh "$out" ;;
+    *)
+      echo "unknown stage $stage" >&2
+      exit 2 ;;
+  esac
+done
+exit $status
