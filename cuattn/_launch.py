@@ -55,6 +55,9 @@ def signature(arrays: tuple, scalars: tuple):
         else:
             return None
     sig.append(scalars)
+    # and their types: 9.0 == 9 and True == 1 hash alike, but only the int passes the checks
+    sig.append(tuple([type(s) if type(s) is not tuple else tuple(map(type, s))
+                      for s in scalars]))
     return tuple(sig)
 
 
