@@ -1,4 +1,4 @@
-"""Decode benchmark: cuattn.paged_attention v1 / v2 / auto on DESIGN.md's standard shapes.
+"""Decode benchmark: cuattn.paged_attention v1 / v2 / auto on docs/ARCHITECTURE.md's standard shapes.
 
 bf16, 32 query heads, 8 and 32 KV heads, head 128, block 16. Each configuration's block
 tables are a random permutation (blocks drawn without repetition) of a cache much larger

@@ -11,7 +11,7 @@ value inside an array is ever read on the host.
 
 An op calls ``plan_for(cache, arrays, names, scalars, build, stream, required)``, whose
 ``build`` runs the op's checks (raising the argument errors) on a miss, then
-``execute(plan, arrays, stream)``.
+``execute(plan, arrays, stream, pointers)`` with what plan_for returned.
 """
 from __future__ import annotations
 
@@ -45,20 +45,34 @@ _nd = cupy.ndarray
 
 def signature(arrays: tuple, scalars: tuple):
     """Hashable description of a call, or None when an argument is not a cupy.ndarray
-    (the op then converts its arguments and asks again)."""
+    (the op then views its arguments as cupy arrays and asks again)."""
+    sig = _sign(arrays, scalars)
+    return None if sig is None else sig[0]
+
+
+def _sign(arrays: tuple, scalars: tuple):
+    """(signature, pointers) in one pass over the arrays, or None (not all cupy arrays).
+    pointers[0] is null and pointers[1 + i] that of argument i (0 for None)."""
     sig = []
+    ptrs = [0]
     for a in arrays:
         if a is None:
             sig.append(None)
+            ptrs.append(0)
         elif type(a) is _nd:
-            sig.append((a.shape, a.strides, a.dtype.num, a.data.device_id))
+            mem = a.data
+            sig.append((a.shape, a.strides, a.dtype.num, mem.device_id))
+            ptrs.append(mem.ptr)
         else:
             return None
     sig.append(scalars)
     # and their types: 9.0 == 9 and True == 1 hash alike, but only the int passes the checks
-    sig.append(tuple([type(s) if type(s) is not tuple else tuple(map(type, s))
-                      for s in scalars]))
-    return tuple(sig)
+    types = tuple(map(type, scalars))
+    if tuple in types:
+        types = tuple([t if t is not tuple else tuple(map(type, s))
+                       for t, s in zip(types, scalars)])
+    sig.append(types)
+    return tuple(sig), ptrs
 
 
 NULL = 0   # the pointer slot that holds a null pointer (Slots)
@@ -102,6 +116,24 @@ class Plan:
     # What the call returns: indices into (arguments..., allocated outputs...); one index
     # returns that array, several a tuple, none returns None.
     result: tuple[int, ...] = ()
+    # Several outputs share one allocation (one call into the memory pool): byte offsets.
+    _offsets: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    _output_bytes: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        offsets, total = [], 0
+        for shape, dtype in self.outputs:
+            offsets.append(total)
+            total += -(-int(np.prod(shape)) * np.dtype(dtype).itemsize // 256) * 256
+        object.__setattr__(self, "_offsets", tuple(offsets))
+        object.__setattr__(self, "_output_bytes", total)
+
+    def allocate_outputs(self) -> list:
+        if len(self.outputs) <= 1:
+            return [cupy.empty(shape, dtype=dtype) for shape, dtype in self.outputs]
+        mem = cupy.cuda.alloc(self._output_bytes)
+        return [cupy.ndarray(shape, dtype, memptr=mem + off)
+                for (shape, dtype), off in zip(self.outputs, self._offsets)]
 
 
 class Slots:
@@ -123,72 +155,74 @@ class Slots:
 
 def plan_for(cache: dict, arrays: tuple, names: tuple, scalars: tuple, build, stream,
              required: int):
-    """(plan, arrays, stream) of a call: the cached plan of its signature, or ``build(arrays)``,
-    which runs every check of the op (raising on a bad input) and returns the new plan.
-    The first ``required`` arrays must be given (the rest may be None); arrays of other
-    libraries are viewed as cupy arrays (``arrays`` returned) without a copy; ``stream`` is
-    returned resolved (None: CuPy's current stream)."""
+    """(plan, arrays, stream, pointers) of a call: the cached plan of its signature, or
+    ``build(arrays)``, which runs every check of the op (raising on a bad input) and returns
+    the new plan. The first ``required`` arrays must be given (the rest may be None); arrays
+    of other libraries are viewed as cupy arrays (``arrays`` returned) without a copy;
+    ``stream`` is returned resolved (None: CuPy's current stream); ``pointers`` as _sign's."""
     if stream is not None:
         stream = A.resolve_stream(stream)
-    plan, sig = _cached(cache, arrays, scalars)
-    if plan is not None and _aligned(plan, arrays):
-        return plan, arrays, stream
+    signed = _sign(arrays, scalars)
+    if signed is not None:
+        try:
+            plan = cache.get(signed[0])
+        except TypeError:      # an unhashable scalar: the op's checks say what is wrong
+            signed = plan = None
+        if plan is not None and _aligned(plan, signed[1]):
+            return plan, arrays, stream, signed[1]
     arrays = tuple(None if a is None and i >= required else A.as_device_array(a, n)
                    for i, (a, n) in enumerate(zip(arrays, names)))
-    if sig is None:
-        plan, sig = _cached(cache, arrays, scalars)
-        if plan is not None and _aligned(plan, arrays):
-            return plan, arrays, stream
+    if signed is None:
+        signed = _sign(arrays, scalars)
+        try:
+            plan = cache.get(signed[0])
+        except TypeError:
+            signed = plan = None
+        if plan is not None and _aligned(plan, signed[1]):
+            return plan, arrays, stream, signed[1]
     plan = build(arrays)
-    if sig is not None:
+    if signed is not None:
         if len(cache) >= _PLAN_CACHE_MAX:
             cache.clear()
-        cache[sig] = plan
-    return plan, arrays, stream
+        cache[signed[0]] = plan
+    ptrs = [0] + [0 if a is None else a.data.ptr for a in arrays]
+    return plan, arrays, stream, ptrs
 
 
-def _cached(cache: dict, arrays: tuple, scalars: tuple):
-    """(plan or None, signature or None)."""
-    try:
-        sig = signature(arrays, scalars)
-        return (cache.get(sig) if sig is not None else None), sig
-    except TypeError:          # an unhashable scalar: the op's checks say what is wrong
-        return None, None
-
-
-def _aligned(plan: Plan, arrays: tuple) -> bool:
+def _aligned(plan: Plan, ptrs: list) -> bool:
     for i, nbytes in plan.align:
-        if arrays[i].data.ptr % nbytes:
+        if ptrs[1 + i] % nbytes:
             return False
     return True
 
 
-def execute(plan: Plan, arrays: tuple, stream):
+def execute(plan: Plan, arrays: tuple, stream, ptrs: list):
     """Allocate the outputs and scratch on the launch stream (resolved by plan_for; None:
-    the current one) and device, pack, launch."""
+    the current one) and device, pack, launch. ``ptrs``: plan_for's pointers (extended)."""
     if stream is not None:
         if stream.ptr != cupy.cuda.get_current_stream().ptr or \
                 cupy.cuda.runtime.getDevice() != plan.device_id:
             with cupy.cuda.Device(plan.device_id), stream:
-                return _run(plan, arrays, stream)
-        return _run(plan, arrays, stream)
+                return _run(plan, arrays, stream, ptrs)
+        return _run(plan, arrays, stream, ptrs)
     if cupy.cuda.runtime.getDevice() != plan.device_id:
         with cupy.cuda.Device(plan.device_id):
-            return _run(plan, arrays, None)
-    return _run(plan, arrays, None)
+            return _run(plan, arrays, None, ptrs)
+    return _run(plan, arrays, None, ptrs)
 
 
-def _run(plan: Plan, arrays: tuple, stream):
-    outs = [cupy.empty(shape, dtype=dtype) for shape, dtype in plan.outputs]
+def _run(plan: Plan, arrays: tuple, stream, ptrs: list):
+    outs = plan.allocate_outputs() if plan.outputs else ()
     if plan.launches:
-        ptrs = [0]
-        ptrs += [0 if a is None else a.data.ptr for a in arrays]
-        ptrs += [o.data.ptr for o in outs]
+        for o in outs:
+            ptrs.append(o.data.ptr)
         if plan.scratch:
             scratch = cupy.cuda.alloc(plan.scratch_bytes)
-            s = stream if stream is not None else cupy.cuda.get_current_stream()
-            A.keep_if_capturing(s, scratch)
-            ptrs += [scratch.ptr + off for off in plan.scratch]
+            A.keep_if_capturing(stream if stream is not None else cupy.cuda.get_current_stream(),
+                                scratch)
+            base = scratch.ptr
+            for off in plan.scratch:
+                ptrs.append(base + off)
         for launch in plan.launches:
             launch.kernel(launch.grid, launch.block, (launch.params(ptrs),), stream=stream,
                           shared_mem=launch.smem)

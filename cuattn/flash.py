@@ -40,9 +40,10 @@ def flash_forward(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1,
     no key gives zeros and lse = -inf.
     """
     options = (causal, softmax_scale, window_size, return_lse, num_splits)
-    plan, arrays, stream = plan_for(_plans, (q, k, v, out), _FIXED_NAMES, ("fixed",) + options,
-                                    lambda arrays: _fixed_plan(arrays, *options), stream, 3)
-    return execute(plan, arrays, stream)
+    plan, arrays, stream, ptrs = plan_for(
+        _plans, (q, k, v, out), _FIXED_NAMES, ("fixed",) + options,
+        lambda arrays: _fixed_plan(arrays, *options), stream, 3)
+    return execute(plan, arrays, stream, ptrs)
 
 
 def flash_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
@@ -57,10 +58,10 @@ def flash_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
     """
     options = (max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_size, return_lse,
                num_splits)
-    plan, arrays, stream = plan_for(_plans, (q, k, v, cu_seqlens_q, cu_seqlens_k, out),
-                                    _VARLEN_NAMES, ("varlen",) + options,
-                                    lambda arrays: _varlen_plan(arrays, *options), stream, 5)
-    return execute(plan, arrays, stream)
+    plan, arrays, stream, ptrs = plan_for(
+        _plans, (q, k, v, cu_seqlens_q, cu_seqlens_k, out), _VARLEN_NAMES, ("varlen",) + options,
+        lambda arrays: _varlen_plan(arrays, *options), stream, 5)
+    return execute(plan, arrays, stream, ptrs)
 
 
 # ---- checks ---------------------------------------------------------------------------------

@@ -31,10 +31,10 @@ def merge_attn_states(prefix_out, prefix_lse, suffix_out, suffix_lse, *, out=Non
     prefix_lse, suffix_lse: float32 (nheads, num_tokens), natural log; +/-inf = empty.
     Returns (out, lse) shaped like prefix_out and prefix_lse.
     """
-    plan, arrays, stream = plan_for(
+    plan, arrays, stream, ptrs = plan_for(
         _pair_plans, (prefix_out, prefix_lse, suffix_out, suffix_lse, out, out_lse), _PAIR_NAMES,
         (), _pair_plan, stream, 4)
-    return execute(plan, arrays, stream)
+    return execute(plan, arrays, stream, ptrs)
 
 
 def merge_states(outs, lses, *, out=None, out_lse=None, stream=None):
@@ -44,9 +44,9 @@ def merge_states(outs, lses, *, out=None, out_lse=None, stream=None):
     lses: float32 (k, nheads, num_tokens), natural log; +/-inf = empty.
     Returns (out, lse): (num_tokens, nheads, head_size) and (nheads, num_tokens).
     """
-    plan, arrays, stream = plan_for(_stack_plans, (outs, lses, out, out_lse), _STACK_NAMES, (),
-                                    _stack_plan, stream, 2)
-    return execute(plan, arrays, stream)
+    plan, arrays, stream, ptrs = plan_for(
+        _stack_plans, (outs, lses, out, out_lse), _STACK_NAMES, (), _stack_plan, stream, 2)
+    return execute(plan, arrays, stream, ptrs)
 
 
 # ---- checks and plans -------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 // Paged-attention decode on tensor cores, for 16-bit caches and head sizes that are multiples
 // of 16 (every GQA group: measured faster than the CUDA-core form even at group 1, see
-// cuattn.tuning.PAGED_MMA_MIN_GROUP). Same params, grid and outputs as the CUDA-core form
+// cuattn.tuning.paged_form). Same params, grid and outputs as the CUDA-core form
 // (paged_attention.cuh; the range and the epilogue are paged_common.cuh's, the v2 reduce is
 // paged_reduce.cuh); only the inner loops differ, and v1 keeps no logits (no length limit).
 //

@@ -1,4 +1,4 @@
-"""Float64 NumPy references shared by the tests (and the tolerance rule of DESIGN.md s4)."""
+"""Float64 NumPy references shared by the tests (and the tolerance rule of docs/ARCHITECTURE.md)."""
 from __future__ import annotations
 
 import numpy as np

@@ -648,8 +648,8 @@ def test_bad_input(row):
 def test_bad_input_without_a_device(row, monkeypatch):
     import cupy
     call = _bad_call(row, Arrays(real=False))
-    # flash_* and merge_* take the current stream and enter the device before they check
-    # out=: stand-ins that touch nothing (anything past the checks still fails loudly)
+    # Every check runs before the device is entered or a stream is looked up: stand-ins that
+    # touch nothing make sure of it (anything past the checks still fails loudly)
     monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda *a: contextlib.nullcontext())
     monkeypatch.setattr(cupy.cuda, "Device", lambda *a: contextlib.nullcontext())
     call()

@@ -1,7 +1,7 @@
 """Run-time compilation: variant keys -> NVRTC -> disk cache -> loaded CuPy functions.
 
-The hot path of every public call is ``get_kernel(key)``: a dictionary hit on
-(device, key) once the variant has been loaded in this process.
+``get_kernel(key)`` is a dictionary hit on (device, key) once the variant has been loaded in
+this process; a public call reaches it only when it builds a launch plan (cuattn._launch).
 """
 from __future__ import annotations
 

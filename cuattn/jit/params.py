@@ -1,9 +1,10 @@
 """Kernel parameter structs: one NumPy structured dtype mirrors one C++ struct.
 
 A kernel takes a single ``Params`` argument by value instead of twenty positional
-scalars. Python describes the fields once; the generated entry point carries a
-``static_assert`` on the size and on every field offset, so a C++ struct that drifts
-from its Python mirror fails to compile instead of reading garbage.
+scalars. Python describes the fields once; the generated entry point static_asserts the
+size of the struct and of every field (NVRTC has no constant-expression offsetof, so
+tests/test_jit.py reads the offsets back from compiled PTX), so a C++ struct that drifts
+from its Python mirror fails to compile or a test instead of reading garbage.
 """
 from __future__ import annotations
 

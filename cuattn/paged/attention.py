@@ -44,10 +44,10 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, *, softmax_scal
     -inf for an empty sequence: the layout cuattn.merge_attn_states takes.
     """
     options = (softmax_scale, k_scale, v_scale, version, partition_size, return_lse)
-    plan, arrays, stream = plan_for(
+    plan, arrays, stream, ptrs = plan_for(
         _plans, (q, k_cache, v_cache, block_tables, seq_lens, alibi_slopes, out), _NAMES, options,
         lambda arrays: _plan(arrays, *options), stream, 5)
-    return execute(plan, arrays, stream)
+    return execute(plan, arrays, stream, ptrs)
 
 
 def auto_version(q_shape, cache_dtype, nheads_kv: int, block_size: int, max_blocks_per_seq: int,

@@ -30,10 +30,10 @@ def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, *, k_scale=1.0
     cache stores round-to-nearest(key / k_scale) and (value / v_scale)).
     slot_mapping: int32 or int64 (num_tokens,).
     """
-    plan, arrays, stream = plan_for(_plans, (key, value, k_cache, v_cache, slot_mapping), _NAMES,
-                                    (k_scale, v_scale), lambda arrays: _plan(arrays, k_scale, v_scale),
-                                    stream, 5)
-    execute(plan, arrays, stream)
+    plan, arrays, stream, ptrs = plan_for(
+        _plans, (key, value, k_cache, v_cache, slot_mapping), _NAMES, (k_scale, v_scale),
+        lambda arrays: _plan(arrays, k_scale, v_scale), stream, 5)
+    execute(plan, arrays, stream, ptrs)
 
 
 def _plan(arrays, k_scale, v_scale) -> Plan:
