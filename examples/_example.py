@@ -17,15 +17,15 @@ def cannot_run(why: str):
 
 
 def need_gpu() -> None:
-    """Exit unless CuPy sees a CUDA device."""
+    """Exit unless device 0 is one cuattn runs on (cuattn's own check, in plain words)."""
     try:
-        import cupy
-        count = cupy.cuda.runtime.getDeviceCount()
-    except Exception as exc:   # noqa: BLE001 - no driver, no device, no CuPy: all "no GPU"
-        cannot_run(f"no usable CUDA GPU ({type(exc).__name__}: {exc}); "
-                   "`python -m cuattn info` shows what cuattn sees")
-    if count == 0:
-        cannot_run("no CUDA GPU")
+        from cuattn.jit import DeviceError, device_info
+    except ImportError as exc:
+        cannot_run(f"cuattn or CuPy cannot be imported ({exc})")
+    try:
+        device_info(0)
+    except DeviceError as exc:
+        cannot_run(str(exc).removeprefix("cuattn: "))
 
 
 def need_module(name: str, install: str):

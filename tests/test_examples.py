@@ -33,7 +33,8 @@ def test_example_without_a_gpu_says_it_cannot_run(example):
     r = _run(example)
     assert r.returncode == CANNOT_RUN, (r.stdout, r.stderr)
     assert r.stdout == "" and len(r.stderr.splitlines()) == 1, r.stderr
-    assert f"{example.name}: cannot run here: no usable CUDA GPU" in r.stderr
+    assert f"{example.name}: cannot run here: no usable CUDA device" in r.stderr
+    assert "python -m cuattn info" in r.stderr
 
 
 @pytest.mark.gpu

@@ -267,7 +267,7 @@ def test_no_usable_device_is_one_clear_error():
         pytest.skip("this machine has a GPU")
     from cuattn.jit import DeviceError, device_info
     device_info.cache_clear()
-    with pytest.raises(DeviceError, match=r"no usable CUDA device 0 .*python -m cuattn info"):
+    with pytest.raises(DeviceError, match=r"no usable CUDA device 0: .*python -m cuattn info"):
         device_info(0)
 
 

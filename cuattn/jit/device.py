@@ -25,6 +25,18 @@ class DeviceInfo:
     smem_per_block_optin: int    # the most one block may be given (after opting in)
 
 
+def _why_not(exc) -> str:
+    """Plain words for a CUDA runtime error at the first touch of a device. Without any
+    driver CUDA says "driver version is insufficient", which misleads: say what it is."""
+    try:
+        driver = cupy.cuda.runtime.driverGetVersion()
+    except Exception:   # noqa: BLE001 - the runtime itself cannot run here
+        driver = 0
+    if driver == 0:
+        return "no NVIDIA driver on this machine (no GPU, or its driver is not installed)"
+    return f"{exc} (driver {driver // 1000}.{driver % 1000 // 10})"
+
+
 @functools.cache
 def device_info(device_id: int) -> DeviceInfo:
     try:
@@ -33,7 +45,7 @@ def device_info(device_id: int) -> DeviceInfo:
         attrs = dev.attributes
         name = cupy.cuda.runtime.getDeviceProperties(device_id)["name"].decode()
     except cupy.cuda.runtime.CUDARuntimeError as exc:
-        raise DeviceError(f"cuattn: no usable CUDA device {device_id} ({exc}); "
+        raise DeviceError(f"cuattn: no usable CUDA device {device_id}: {_why_not(exc)}; "
                           "`python -m cuattn info` shows what this machine has") from None
     if int(cc) < MIN_COMPUTE_CAPABILITY:
         raise DeviceError(
