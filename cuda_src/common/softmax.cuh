@@ -1,7 +1,7 @@
-// The online-softmax state of one row and the merge of two states (Milakov & Gimelshein
-// 2018, "Online normalizer calculation for softmax"; the rescale of FlashAttention). Every
-// softmax of every kernel, and every combine of partial results (split-KV, paged v2
-// partitions, merge_attn_states), is written with SoftmaxState.
+// The online-softmax state of one row and how states merge (Milakov & Gimelshein 2018,
+// "Online normalizer calculation for softmax"; the rescale of FlashAttention). Every softmax
+// of every kernel, and every combine of partial results (split-KV, paged v2 partitions,
+// warps, merge_attn_states), is written with SoftmaxState.
 #pragma once
 
 namespace cuattn {
@@ -30,6 +30,12 @@ __device__ __forceinline__ float empty_as_neg_inf(float lse) {
 // threads, each holding a part of `sum` under the common `max`, and add the parts at the
 // end. The accumulator of the row's output (sum of weight * value) lives with the caller;
 // every function that moves `max` returns the factor by which the caller rescales it.
+//
+// Merging states of disjoint logits (split-KV, v2 partitions, warps, merge_attn_states,
+// where a partial result of natural-log lse L is the state {L, 1} in units scale = kLog2e)
+// is two passes, never a chain of rescales: the largest max M first, b = base(M, scale),
+// then state i weighs w_i = weight(max_i, scale, b) (0 for an empty one): the merged state
+// is {M, sum_i w_i sum_i} and its accumulator sum_i w_i acc_i.
 struct SoftmaxState {
   float max;
   float sum;
@@ -66,18 +72,6 @@ struct SoftmaxState {
     max = m_new;
     sum *= alpha;
     return alpha;
-  }
-
-  // Fold in the state of disjoint logits: w_self and w_other rescale the two accumulators
-  // (acc = w_self * acc + w_other * other_acc). An empty side weighs 0.
-  __device__ __forceinline__ void merge(const SoftmaxState& other, float scale, float& w_self,
-                                        float& w_other) {
-    const float m = fmaxf(max, other.max);
-    const float b = base(m, scale);
-    w_self = weight(max, scale, b);
-    w_other = weight(other.max, scale, b);
-    max = m;
-    sum = fmaf(other.sum, w_other, sum * w_self);
   }
 
   // The normaliser of the accumulator: 1 / sum, or 0 for a row that saw nothing (zeros out).
