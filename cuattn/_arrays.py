@@ -86,6 +86,19 @@ def check_softmax_scale(value, head_dim: int, factor: float = 1.0) -> float:
     return value
 
 
+def check_output(x: cupy.ndarray, shape: tuple, dtype, name: str, shape_doc: str,
+                 device_id: int, *, align: int = 0, last_dim_contiguous: bool = True) -> None:
+    """An out= style argument: the shape and dtype the call writes, on the call's device,
+    with a contiguous last dimension and ``align``-byte vectors where the kernel needs them."""
+    check_shape(x, shape, name, shape_doc)
+    check_dtype(x, dtype, name)
+    if last_dim_contiguous:
+        check_last_dim_contiguous(x, name)
+    if align:
+        check_aligned(x, align, name)
+    check_same_device({name: x}, device_id)
+
+
 def check_same_device(arrays: dict, device_id: int) -> None:
     for name, x in arrays.items():
         if x is not None and x.device.id != device_id:
@@ -96,6 +109,18 @@ def check_same_device(arrays: dict, device_id: int) -> None:
 def element_strides(x: cupy.ndarray) -> tuple:
     """Strides in elements (what kernels index with)."""
     return tuple(s // x.itemsize for s in x.strides)
+
+
+def element_strides_or_contiguous(x, shape: tuple) -> tuple:
+    """Element strides of ``x``, or, when it is None (the call allocates it), those of a
+    C-contiguous array of ``shape``."""
+    if x is not None:
+        return element_strides(x)
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= n
+    return tuple(reversed(strides))
 
 
 def resolve_stream(stream):

@@ -153,6 +153,26 @@ class Slots:
         return 1 + self.num_args + self.num_outputs + part
 
 
+def returns(num_args: int, returned: list) -> tuple:
+    """What a call returns, as a plan needs it. ``returned``: one ``(given, shape, dtype)``
+    per array, ``given`` the index of the argument that holds it when the caller passed one
+    (out=), else None: the call allocates it. -> (Slots, the plan's outputs, the pointer
+    slot of each returned array, the plan's result)."""
+    outputs = tuple((tuple(shape), np.dtype(dtype)) for given, shape, dtype in returned
+                    if given is None)
+    slots = Slots(num_args, len(outputs))
+    slot_of, result, k = [], [], 0
+    for given, _, _ in returned:
+        if given is None:
+            slot_of.append(slots.output(k))
+            result.append(num_args + k)
+            k += 1
+        else:
+            slot_of.append(slots.arg(given))
+            result.append(given)
+    return slots, outputs, tuple(slot_of), tuple(result)
+
+
 def plan_for(cache: dict, arrays: tuple, names: tuple, scalars: tuple, build, stream,
              required: int):
     """(plan, arrays, stream, pointers) of a call: the cached plan of its signature, or
@@ -162,22 +182,13 @@ def plan_for(cache: dict, arrays: tuple, names: tuple, scalars: tuple, build, st
     ``stream`` is returned resolved (None: CuPy's current stream); ``pointers`` as _sign's."""
     if stream is not None:
         stream = A.resolve_stream(stream)
-    signed = _sign(arrays, scalars)
-    if signed is not None:
-        try:
-            plan = cache.get(signed[0])
-        except TypeError:      # an unhashable scalar: the op's checks say what is wrong
-            signed = plan = None
-        if plan is not None and _aligned(plan, signed[1]):
-            return plan, arrays, stream, signed[1]
+    signed, plan = _lookup(cache, arrays, scalars)
+    if plan is not None and _aligned(plan, signed[1]):
+        return plan, arrays, stream, signed[1]
     arrays = tuple(None if a is None and i >= required else A.as_device_array(a, n)
                    for i, (a, n) in enumerate(zip(arrays, names)))
-    if signed is None:
-        signed = _sign(arrays, scalars)
-        try:
-            plan = cache.get(signed[0])
-        except TypeError:
-            signed = plan = None
+    if signed is None:        # viewed as cupy arrays now: the cache may hold their plan
+        signed, plan = _lookup(cache, arrays, scalars)
         if plan is not None and _aligned(plan, signed[1]):
             return plan, arrays, stream, signed[1]
     plan = build(arrays)
@@ -187,6 +198,17 @@ def plan_for(cache: dict, arrays: tuple, names: tuple, scalars: tuple, build, st
         cache[signed[0]] = plan
     ptrs = [0] + [0 if a is None else a.data.ptr for a in arrays]
     return plan, arrays, stream, ptrs
+
+
+def _lookup(cache: dict, arrays: tuple, scalars: tuple):
+    """(_sign's (signature, pointers) or None, the cached plan or None)."""
+    signed = _sign(arrays, scalars)
+    if signed is None:
+        return None, None
+    try:
+        return signed, cache.get(signed[0])
+    except TypeError:          # an unhashable scalar: the op's checks say what is wrong
+        return None, None
 
 
 def _aligned(plan: Plan, ptrs: list) -> bool:

@@ -14,7 +14,7 @@ import numpy as np
 from . import _arrays as A
 from . import tuning
 from ._dtypes import activation_dtype
-from ._launch import NULL, Launch, Plan, Slots, execute, plan_cache, plan_for
+from ._launch import NULL, Launch, Plan, execute, plan_cache, plan_for, returns
 from .jit import device_info, get_kernel
 from .variants import FLASH_PARAMS, MASK_CAUSAL, MASK_NONE, MASK_WINDOW
 
@@ -118,14 +118,6 @@ def _check_options(causal, softmax_scale, window_size, num_splits, return_lse, h
     return softmax_scale, left, right, int(num_splits), bool(return_lse)
 
 
-def _check_out(out, shape, dtype, doc, device_id):
-    A.check_shape(out, shape, "out", doc)
-    A.check_dtype(out, dtype, "out")
-    A.check_last_dim_contiguous(out, "out")
-    A.check_aligned(out, 16, "out")
-    A.check_same_device({"out": out}, device_id)
-
-
 def _check_cu_seqlens(x, name, batch_plus_1=None):
     A.check_ndim(x, 1, name, "(batch + 1,)")
     A.check_dtype(x, np.int32, name)
@@ -155,12 +147,11 @@ def _fixed_plan(arrays, causal, softmax_scale, window_size, return_lse, num_spli
         causal, softmax_scale, window_size, num_splits, return_lse, head_dim)
     device_id = q.device.id
     if out is not None:
-        _check_out(out, q.shape, q.dtype, doc_q, device_id)
-    # element strides of out: the given out's, or those of the contiguous one allocated
-    os_ = A.element_strides(out) if out is not None else \
-        (sq * nheads * head_dim, nheads * head_dim, head_dim)
+        A.check_output(out, q.shape, q.dtype, "out", doc_q, device_id, align=16)
+    os_ = A.element_strides_or_contiguous(out, q.shape)
     qs, ks, vs = (A.element_strides(x) for x in (q, k, v))
-    ls = (nheads * sq, sq, 1) if return_lse else (0, 0, 0)
+    lse_shape = (batch, nheads, sq)
+    ls = A.element_strides_or_contiguous(None, lse_shape) if return_lse else (0, 0, 0)
     fields = dict(
         q_stride_batch=qs[0], q_stride_row=qs[1], q_stride_head=qs[2],
         k_stride_batch=ks[0], k_stride_row=ks[1], k_stride_head=ks[2],
@@ -168,9 +159,8 @@ def _fixed_plan(arrays, causal, softmax_scale, window_size, return_lse, num_spli
         o_stride_batch=os_[0], o_stride_row=os_[1], o_stride_head=os_[2],
         lse_stride_batch=ls[0], lse_stride_head=ls[1], lse_stride_row=ls[2],
         seqlen_q=sq, seqlen_k=sk)
-    return _plan(device_id=device_id, dtype=dtype, q=q, k=k, given_out=out is not None,
-                 out_shape=q.shape, lse_shape=(batch, nheads, sq) if return_lse else None,
-                 num_args=4, out_arg=3, cu_args=None, causal=bool(causal),
+    return _plan(device_id=device_id, dtype=dtype, q=q, k=k, out=out,
+                 lse_shape=lse_shape if return_lse else None, num_args=4, out_arg=3, cu_args=None, causal=bool(causal),
                  softmax_scale=softmax_scale, left=left, right=right, num_splits=num_splits,
                  batch=batch, max_sq=sq, max_sk=sk, total_q=batch * sq, fields=fields)
 
@@ -198,10 +188,11 @@ def _varlen_plan(arrays, max_seqlen_q, max_seqlen_k, causal, softmax_scale, wind
     device_id = q.device.id
     A.check_same_device({"cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k}, device_id)
     if out is not None:
-        _check_out(out, q.shape, q.dtype, doc_q, device_id)
-    os_ = A.element_strides(out) if out is not None else (nheads * head_dim, head_dim)
+        A.check_output(out, q.shape, q.dtype, "out", doc_q, device_id, align=16)
+    os_ = A.element_strides_or_contiguous(out, q.shape)
     qs, ks, vs = (A.element_strides(x) for x in (q, k, v))
-    ls = (total_q, 1) if return_lse else (0, 0)
+    lse_shape = (nheads, total_q)
+    ls = A.element_strides_or_contiguous(None, lse_shape) if return_lse else (0, 0)
     fields = dict(
         q_stride_batch=0, q_stride_row=qs[0], q_stride_head=qs[1],
         k_stride_batch=0, k_stride_row=ks[0], k_stride_head=ks[1],
@@ -210,9 +201,8 @@ def _varlen_plan(arrays, max_seqlen_q, max_seqlen_k, causal, softmax_scale, wind
         lse_stride_batch=0, lse_stride_head=ls[0], lse_stride_row=ls[1],
         seqlen_q=max(total_q, 1), seqlen_k=0)
     # Rows never covered by a sequence (past cu_seqlens_q[-1]) are not written.
-    return _plan(device_id=device_id, dtype=dtype, q=q, k=k, given_out=out is not None,
-                 out_shape=q.shape, lse_shape=(nheads, total_q) if return_lse else None,
-                 num_args=6, out_arg=5, cu_args=(3, 4), causal=bool(causal),
+    return _plan(device_id=device_id, dtype=dtype, q=q, k=k, out=out,
+                 lse_shape=lse_shape if return_lse else None, num_args=6, out_arg=5, cu_args=(3, 4), causal=bool(causal),
                  softmax_scale=softmax_scale, left=left, right=right, num_splits=num_splits,
                  batch=batch, max_sq=max_seqlen_q, max_sk=max_seqlen_k, total_q=total_q,
                  fields=fields)
@@ -228,8 +218,7 @@ def _window_params(left, right, max_sq, max_sk):
     return left, right
 
 
-def _plan(*, device_id, dtype, q, k, given_out, out_shape, lse_shape, num_args, out_arg,
-          cu_args, causal, softmax_scale, left, right, num_splits, batch, max_sq, max_sk,
+def _plan(*, device_id, dtype, q, k, out, lse_shape, num_args, out_arg, cu_args, causal, softmax_scale, left, right, num_splits, batch, max_sq, max_sk,
           total_q, fields) -> Plan:
     """Variant, grid and split of a checked call; the outputs it allocates; its launches."""
     nheads, head_dim = q.shape[-2], q.shape[-1]
@@ -242,16 +231,13 @@ def _plan(*, device_id, dtype, q, k, given_out, out_shape, lse_shape, num_args, 
         mask = MASK_NONE
     if batch > _MAX_GRID_YZ or nheads > _MAX_GRID_YZ:
         raise ValueError(f"q: batch {batch} and nheads {nheads} must each be <= {_MAX_GRID_YZ}")
-    outputs = ([] if given_out else [(tuple(out_shape), q.dtype)]) + \
-        ([(lse_shape, np.dtype(np.float32))] if lse_shape is not None else [])
-    slots = Slots(num_args, len(outputs))
-    out_slot = slots.arg(out_arg) if given_out else slots.output(0)
-    lse_slot = slots.output(len(outputs) - 1) if lse_shape is not None else NULL
-    result = (out_arg if given_out else num_args,) + \
-        ((num_args + len(outputs) - 1,) if lse_shape is not None else ())
-    align = tuple((i, 16) for i in (0, 1, 2)) + ((out_arg, 16),) * given_out + \
+    slots, outputs, returned_slots, result = returns(
+        num_args, [(out_arg if out is not None else None, q.shape, q.dtype)] +
+        ([(None, lse_shape, np.float32)] if lse_shape is not None else []))
+    out_slot, lse_slot = (returned_slots + (NULL,))[:2]
+    align = tuple((i, 16) for i in (0, 1, 2)) + ((out_arg, 16),) * (out is not None) + \
         tuple((i, 4) for i in (cu_args or ()))
-    common = dict(device_id=device_id, align=align, outputs=tuple(outputs), result=result)
+    common = dict(device_id=device_id, align=align, outputs=outputs, result=result)
 
     device = device_info(device_id)
     arch = device.arch

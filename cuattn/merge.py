@@ -12,7 +12,7 @@ import numpy as np
 from . import _arrays as A
 from . import tuning
 from ._dtypes import activation_dtype
-from ._launch import NULL, Launch, Plan, Slots, execute, plan_cache, plan_for
+from ._launch import NULL, Launch, Plan, execute, plan_cache, plan_for, returns
 from .jit import get_kernel
 from .variants import MERGE_PARAMS
 
@@ -59,16 +59,11 @@ def _check_head_size(head_size: int, name: str) -> None:
 
 def _check_outputs(out, out_lse, like, num_tokens, num_heads, head_size, device_id):
     if out is not None:
-        A.check_shape(out, (num_tokens, num_heads, head_size), "out",
-                      "(num_tokens, nheads, head_size)")
-        A.check_dtype(out, like.dtype, "out")
-        A.check_last_dim_contiguous(out, "out")
-        A.check_aligned(out, 16, "out")
-    if out_lse is not None:
-        A.check_shape(out_lse, (num_heads, num_tokens), "out_lse", "(nheads, num_tokens)")
-        A.check_dtype(out_lse, np.float32, "out_lse")
-        A.check_aligned(out_lse, 4, "out_lse")
-    A.check_same_device({"out": out, "out_lse": out_lse}, device_id)
+        A.check_output(out, (num_tokens, num_heads, head_size), like.dtype, "out",
+                       "(num_tokens, nheads, head_size)", device_id, align=16)
+    if out_lse is not None:         # any strides: the kernel reads both
+        A.check_output(out_lse, (num_heads, num_tokens), np.float32, "out_lse",
+                       "(nheads, num_tokens)", device_id, align=4, last_dim_contiguous=False)
 
 
 def _plan(variant, device_id, arrays, out_arg, rows, inputs, **fields) -> Plan:
@@ -76,24 +71,19 @@ def _plan(variant, device_id, arrays, out_arg, rows, inputs, **fields) -> Plan:
     b_out, b_lse) (None: null), ``out_arg`` that of out (out_lse follows it)."""
     out, out_lse = arrays[out_arg], arrays[out_arg + 1]
     num_tokens, num_heads, head_size = fields["num_tokens"], fields["num_heads"], variant.head_size
-    outputs = ([] if out is not None else [((num_tokens, num_heads, head_size), arrays[0].dtype)]) + \
-        ([] if out_lse is not None else [((num_heads, num_tokens), np.dtype(np.float32))])
-    slots = Slots(len(arrays), len(outputs))
-    out_slot = slots.arg(out_arg) if out is not None else slots.output(0)
-    lse_slot = slots.arg(out_arg + 1) if out_lse is not None else slots.output(len(outputs) - 1)
-    o_tok, o_head = (A.element_strides(out)[:2] if out is not None
-                     else (num_heads * head_size, head_size))
-    l_head, l_tok = A.element_strides(out_lse) if out_lse is not None else (num_tokens, 1)
-    n = len(arrays)
-    result = (out_arg if out is not None else n,
-              out_arg + 1 if out_lse is not None else n + len(outputs) - 1)
+    out_shape, lse_shape = (num_tokens, num_heads, head_size), (num_heads, num_tokens)
+    slots, outputs, (out_slot, lse_slot), result = returns(len(arrays), [
+        (out_arg if out is not None else None, out_shape, arrays[0].dtype),
+        (out_arg + 1 if out_lse is not None else None, lse_shape, np.float32)])
+    o_tok, o_head, _ = A.element_strides_or_contiguous(out, out_shape)
+    l_head, l_tok = A.element_strides_or_contiguous(out_lse, lse_shape)
     align = tuple((i, a) for i, a in zip(inputs, (16, 4, 16, 4)) if i is not None) + \
         ((out_arg, 16),) * (out is not None) + ((out_arg + 1, 4),) * (out_lse is not None)
     vecs = rows * head_size // 8
     if vecs >= 2**31:
         raise ValueError(f"out: {rows} rows of {head_size} is too large for one merge "
                          "(at most 2^31 16-byte vectors); split the tokens")
-    common = dict(device_id=device_id, align=align, outputs=tuple(outputs), result=result)
+    common = dict(device_id=device_id, align=align, outputs=outputs, result=result)
     if vecs == 0:
         return Plan(**common)
     tail = MERGE_PARAMS.tail(out_stride_token=o_tok, out_stride_head=o_head,

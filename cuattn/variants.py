@@ -136,22 +136,27 @@ class FlashFwdVariant(Variant):
 
 
 @dataclass(frozen=True)
-class FlashCombineVariant(Variant):
+class _CombineKey:
+    """The key of a kernel that merges fp32 partial rows by their lse (split-KV's combine,
+    paged v2's reduce), whose traits are <T, HEAD_DIM, NUM_THREADS>; a Variant mixes it in."""
     dtype: str
-    head_dim: int         # compiled head dim (bounds the per-lane column passes)
+    head_dim: int         # (compiled) head dim: bounds the per-thread column passes
     threads: int
-
-    op: ClassVar[str] = "flash_combine"
-    header: ClassVar[str] = "flash_fwd.cuh"
-    kernel: ClassVar[str] = "flash_fwd_combine_kernel"
-    traits: ClassVar[str] = "FlashCombineTraits"
-    params: ClassVar[ParamsStruct] = FLASH_PARAMS
 
     def name_parts(self):
         return (self.dtype, f"hd{self.head_dim}", f"t{self.threads}")
 
     def traits_args(self):
         return (BY_SHORT[self.dtype].cpp, self.head_dim, self.threads)
+
+
+@dataclass(frozen=True)
+class FlashCombineVariant(_CombineKey, Variant):
+    op: ClassVar[str] = "flash_combine"
+    header: ClassVar[str] = "flash_fwd.cuh"
+    kernel: ClassVar[str] = "flash_fwd_combine_kernel"
+    traits: ClassVar[str] = "FlashCombineTraits"
+    params: ClassVar[ParamsStruct] = FLASH_PARAMS
 
 
 # ---- merge (cuda_src/merge_attn_states.cuh) --------------------------------------------------------
@@ -284,22 +289,13 @@ class PagedMmaVariant(Variant):
 
 
 @dataclass(frozen=True)
-class PagedReduceVariant(Variant):
-    dtype: str
-    head_size: int
-    threads: int          # 4 dims per thread in whole warps, times thread groups
-
+class PagedReduceVariant(_CombineKey, Variant):
+    """threads: 4 dims per thread in whole warps, times thread groups (tuning)."""
     op: ClassVar[str] = "paged_reduce"
     header: ClassVar[str] = "paged_reduce.cuh"
     kernel: ClassVar[str] = "paged_attention_reduce_kernel"
     traits: ClassVar[str] = "PagedReduceTraits"
     params: ClassVar[ParamsStruct] = PAGED_REDUCE_PARAMS
-
-    def name_parts(self):
-        return (self.dtype, f"hd{self.head_size}", f"t{self.threads}")
-
-    def traits_args(self):
-        return (BY_SHORT[self.dtype].cpp, self.head_size, self.threads)
 
 
 @dataclass(frozen=True)

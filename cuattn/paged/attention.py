@@ -14,7 +14,7 @@ import numpy as np
 from .. import _arrays as A
 from .. import tuning
 from .._dtypes import activation_dtype
-from .._launch import NULL, Launch, Plan, Slots, execute, plan_cache, plan_for
+from .._launch import NULL, Launch, Plan, execute, plan_cache, plan_for, returns
 from ..jit import get_kernel
 from ..variants import PAGED_PARAMS, PAGED_REDUCE_PARAMS
 from .forms import form_for
@@ -118,11 +118,8 @@ def _plan(arrays, softmax_scale, k_scale, v_scale, version, partition_size, retu
     device_id = q.device.id
     A.check_same_device({"k_cache": k_cache, "v_cache": v_cache, "block_tables": block_tables,
                          "seq_lens": seq_lens, "alibi_slopes": alibi_slopes}, device_id)
-    if out is not None:
-        A.check_shape(out, q.shape, "out", _Q_DOC)
-        A.check_dtype(out, q.dtype, "out")
-        A.check_last_dim_contiguous(out, "out")
-        A.check_same_device({"out": out}, device_id)
+    if out is not None:             # element stores: no vector alignment needed
+        A.check_output(out, q.shape, q.dtype, "out", _Q_DOC, device_id)
 
     gqa = num_heads // info.num_kv_heads
     group = tuning.paged_group(gqa)
@@ -130,15 +127,13 @@ def _plan(arrays, softmax_scale, k_scale, v_scale, version, partition_size, retu
     max_context = max_blocks * info.block_size
     alibi = alibi_slopes is not None
     return_lse = bool(return_lse)
-    outputs = ([] if out is not None else [(tuple(q.shape), q.dtype)]) + \
-        ([((num_heads, num_seqs), np.dtype(np.float32))] if return_lse else [])
-    slots = Slots(len(arrays), len(outputs))
-    out_slot = slots.arg(6) if out is not None else slots.output(0)
-    lse_slot = slots.output(len(outputs) - 1) if return_lse else NULL
-    result = (6 if out is not None else len(arrays),) + \
-        ((len(arrays) + len(outputs) - 1,) if return_lse else ())
+    lse_shape = (num_heads, num_seqs)
+    slots, outputs, returned_slots, result = returns(
+        len(arrays), [(6 if out is not None else None, q.shape, q.dtype)] +
+        ([(None, lse_shape, np.float32)] if return_lse else []))
+    out_slot, lse_slot = (returned_slots + (NULL,))[:2]
     align = ((1, 16), (2, info.v_align), (3, 4), (4, 4)) + ((5, 4),) * alibi
-    common = dict(device_id=device_id, align=align, outputs=tuple(outputs), result=result)
+    common = dict(device_id=device_id, align=align, outputs=outputs, result=result)
 
     form = form_for(info.cache, head_size, group)
     with cupy.cuda.Device(device_id):
@@ -149,10 +144,8 @@ def _plan(arrays, softmax_scale, k_scale, v_scale, version, partition_size, retu
         v1 = form.v1_launch(v1_key, max_context, device_id) if version == "v1" else None
         if num_seqs == 0:
             return Plan(**common)
-        # out strides: the given out's, or those of the contiguous array allocated
-        o_seq, o_head = A.element_strides(out)[:2] if out is not None else \
-            (num_heads * head_size, head_size)
-        l_head, l_seq = (num_seqs, 1) if return_lse else (0, 0)
+        o_seq, o_head, _ = A.element_strides_or_contiguous(out, q.shape)
+        l_head, l_seq = A.element_strides_or_contiguous(None, lse_shape) if return_lse else (0, 0)
         qs = A.element_strides(q)
         fields = dict(
             q_stride_seq=qs[0], q_stride_head=qs[1], **info.strides(k_cache, v_cache),
