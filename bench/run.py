@@ -19,7 +19,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 SUITES = {"merge": "bench.suite_merge", "flash": "bench.suite_flash",
-          "decode": "bench.suite_decode", "host": "bench.suite_host", "cold": "bench.cold_start"}
+          "decode": "bench.suite_decode", "prefill": "bench.suite_prefill",
+          "host": "bench.suite_host", "cold": "bench.cold_start"}
 
 
 def _has_gpu() -> bool:

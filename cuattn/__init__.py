@@ -1,8 +1,9 @@
 """cuattn: attention kernels for CuPy, compiled at run time with NVRTC.
 
 Public API (README.md, docs/ARCHITECTURE.md): flash_forward, flash_varlen_forward
-(FlashAttention-2 forward), paged_attention, reshape_and_cache, paged_kv_cache_shapes
-(decode over a vLLM-style paged KV cache), merge_attn_states, merge_states (combine partial
+(FlashAttention-2 forward), paged_attention, paged_prefill, reshape_and_cache,
+paged_kv_cache_shapes (attention over a paged KV cache: decode, and new tokens against the
+cache), merge_attn_states, merge_states (combine partial
 attentions by their log-sum-exp).
 """
 from __future__ import annotations
@@ -11,8 +12,8 @@ __version__ = "0.1.0"
 
 from .flash import flash_forward, flash_varlen_forward
 from .merge import merge_attn_states, merge_states
-from .paged import paged_attention, paged_kv_cache_shapes, reshape_and_cache
+from .paged import paged_attention, paged_kv_cache_shapes, paged_prefill, reshape_and_cache
 
 __all__ = ["flash_forward", "flash_varlen_forward",
            "merge_attn_states", "merge_states", "paged_attention", "paged_kv_cache_shapes",
-           "reshape_and_cache", "__version__"]
+           "paged_prefill", "reshape_and_cache", "__version__"]

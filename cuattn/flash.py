@@ -8,15 +8,19 @@ Calls go through cuattn._launch: the checks below run once per call signature.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import cupy
 import numpy as np
 
 from . import _arrays as A
 from . import tuning
 from ._dtypes import activation_dtype
+from ._hooks import check_hooks, hook_fields
 from ._launch import NULL, Launch, Plan, execute, plan_cache, plan_for, returns
 from .jit import device_info, get_kernel
-from .variants import FLASH_PARAMS, MASK_CAUSAL, MASK_NONE, MASK_WINDOW
+from .variants import FEAT_SINKS, FLASH_PARAMS, MASK_CAUSAL, MASK_NONE, MASK_WINDOW
 
 MAX_HEAD_DIM = 256
 _MAX_GRID_YZ = 65535
@@ -24,31 +28,35 @@ _INT32_MAX = 2**31 - 1
 _MAX_SEQLEN = 2**29     # keeps every band bound of the kernel inside int32
 
 _plans = plan_cache()
-_FIXED_NAMES = ("q", "k", "v", "out")
-_VARLEN_NAMES = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "out")
+_FIXED_NAMES = ("q", "k", "v", "alibi_slopes", "sinks", "out")
+_VARLEN_NAMES = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "alibi_slopes", "sinks", "out")
 
 
 def flash_forward(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1),
-                  return_lse=False, num_splits=0, out=None, stream=None):
+                  softcap=0.0, alibi_slopes=None, sinks=None, return_lse=False, num_splits=0,
+                  out=None, stream=None):
     """FlashAttention-2 forward.
 
     q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim),
     float16 or bfloat16, any strides with a contiguous last dim. Causal is aligned to the
     bottom-right corner; ``window_size=(left, right)`` limits query i to keys
-    i + sk - sq - left <= j <= i + sk - sq + right (-1 = unbounded). Returns out (like q)
-    or (out, lse) with lse float32 (batch, nheads, seqlen_q), natural log; a row that sees
-    no key gives zeros and lse = -inf.
+    i + sk - sq - left <= j <= i + sk - sq + right (-1 = unbounded). ``softcap``,
+    ``alibi_slopes`` (float32 (nheads,)) and ``sinks`` (float32 (nheads,)) as
+    cuattn._hooks says. Returns out (like q) or (out, lse) with lse float32 (batch, nheads,
+    seqlen_q), natural log; a row that sees no key gives zeros and lse = -inf (with sinks:
+    zeros and the sink).
     """
-    options = (causal, softmax_scale, window_size, return_lse, num_splits)
+    options = (causal, softmax_scale, window_size, softcap, return_lse, num_splits)
     plan, arrays, stream, ptrs = plan_for(
-        _plans, (q, k, v, out), _FIXED_NAMES, ("fixed",) + options,
+        _plans, (q, k, v, alibi_slopes, sinks, out), _FIXED_NAMES, ("fixed",) + options,
         lambda arrays: _fixed_plan(arrays, *options), stream, 3)
     return execute(plan, arrays, stream, ptrs)
 
 
 def flash_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
-                         causal=False, softmax_scale=None, window_size=(-1, -1),
-                         return_lse=False, num_splits=0, out=None, stream=None):
+                         causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
+                         alibi_slopes=None, sinks=None, return_lse=False, num_splits=0,
+                         out=None, stream=None):
     """FlashAttention-2 forward over packed variable-length sequences.
 
     q: (total_q, nheads, headdim); k, v: (total_k, nheads_kv, headdim); cu_seqlens_q/k:
@@ -56,11 +64,11 @@ def flash_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
     bound every length); lse: float32 (nheads, total_q). Same options as flash_forward;
     a sequence of length 0 is allowed.
     """
-    options = (max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_size, return_lse,
-               num_splits)
+    options = (max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_size, softcap,
+               return_lse, num_splits)
     plan, arrays, stream, ptrs = plan_for(
-        _plans, (q, k, v, cu_seqlens_q, cu_seqlens_k, out), _VARLEN_NAMES, ("varlen",) + options,
-        lambda arrays: _varlen_plan(arrays, *options), stream, 5)
+        _plans, (q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, out), _VARLEN_NAMES,
+        ("varlen",) + options, lambda arrays: _varlen_plan(arrays, *options), stream, 5)
     return execute(plan, arrays, stream, ptrs)
 
 
@@ -131,8 +139,9 @@ def _check_cu_seqlens(x, name, batch_plus_1=None):
     A.check_aligned(x, 4, name)
 
 
-def _fixed_plan(arrays, causal, softmax_scale, window_size, return_lse, num_splits) -> Plan:
-    q, k, v, out = arrays
+def _fixed_plan(arrays, causal, softmax_scale, window_size, softcap, return_lse,
+                num_splits) -> Plan:
+    q, k, v, alibi_slopes, sinks, out = arrays
     doc_q = "(batch, seqlen_q, nheads, headdim)"
     doc_kv = "(batch, seqlen_k, nheads_kv, headdim)"
     dtype = _check_qkv(q, k, v, 4, doc_q, doc_kv)
@@ -146,6 +155,7 @@ def _fixed_plan(arrays, causal, softmax_scale, window_size, return_lse, num_spli
     softmax_scale, left, right, num_splits, return_lse = _check_options(
         causal, softmax_scale, window_size, num_splits, return_lse, head_dim)
     device_id = q.device.id
+    features, softcap = check_hooks(softcap, alibi_slopes, sinks, nheads, device_id)
     if out is not None:
         A.check_output(out, q.shape, q.dtype, "out", doc_q, device_id, align=16)
     os_ = A.element_strides_or_contiguous(out, q.shape)
@@ -159,15 +169,18 @@ def _fixed_plan(arrays, causal, softmax_scale, window_size, return_lse, num_spli
         o_stride_batch=os_[0], o_stride_row=os_[1], o_stride_head=os_[2],
         lse_stride_batch=ls[0], lse_stride_head=ls[1], lse_stride_row=ls[2],
         seqlen_q=sq, seqlen_k=sk)
-    return _plan(device_id=device_id, dtype=dtype, q=q, k=k, out=out,
-                 lse_shape=lse_shape if return_lse else None, num_args=4, out_arg=3, cu_args=None, causal=bool(causal),
-                 softmax_scale=softmax_scale, left=left, right=right, num_splits=num_splits,
-                 batch=batch, max_sq=sq, max_sk=sk, total_q=batch * sq, fields=fields)
+    return _plan(Call(
+        device_id=device_id, dtype=dtype, q=q, nheads_kv=k.shape[-2], out=out,
+        lse_shape=lse_shape if return_lse else None, num_args=6, out_arg=5,
+        args=dict(q=0, k=1, v=2, alibi_slopes=3, sinks=4), causal=bool(causal),
+        softmax_scale=softmax_scale, left=left, right=right, num_splits=num_splits,
+        features=features, softcap=softcap, batch=batch, max_sq=sq, max_sk=sk,
+        total_q=batch * sq, fields=fields))
 
 
 def _varlen_plan(arrays, max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_size,
-                 return_lse, num_splits) -> Plan:
-    q, k, v, cu_q, cu_k, out = arrays
+                 softcap, return_lse, num_splits) -> Plan:
+    q, k, v, cu_q, cu_k, alibi_slopes, sinks, out = arrays
     doc_q = "(total_q, nheads, headdim)"
     doc_kv = "(total_k, nheads_kv, headdim)"
     dtype = _check_qkv(q, k, v, 3, doc_q, doc_kv)
@@ -187,6 +200,7 @@ def _varlen_plan(arrays, max_seqlen_q, max_seqlen_k, causal, softmax_scale, wind
         causal, softmax_scale, window_size, num_splits, return_lse, head_dim)
     device_id = q.device.id
     A.check_same_device({"cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k}, device_id)
+    features, softcap = check_hooks(softcap, alibi_slopes, sinks, nheads, device_id)
     if out is not None:
         A.check_output(out, q.shape, q.dtype, "out", doc_q, device_id, align=16)
     os_ = A.element_strides_or_contiguous(out, q.shape)
@@ -201,11 +215,13 @@ def _varlen_plan(arrays, max_seqlen_q, max_seqlen_k, causal, softmax_scale, wind
         lse_stride_batch=0, lse_stride_head=ls[0], lse_stride_row=ls[1],
         seqlen_q=max(total_q, 1), seqlen_k=0)
     # Rows never covered by a sequence (past cu_seqlens_q[-1]) are not written.
-    return _plan(device_id=device_id, dtype=dtype, q=q, k=k, out=out,
-                 lse_shape=lse_shape if return_lse else None, num_args=6, out_arg=5, cu_args=(3, 4), causal=bool(causal),
-                 softmax_scale=softmax_scale, left=left, right=right, num_splits=num_splits,
-                 batch=batch, max_sq=max_seqlen_q, max_sk=max_seqlen_k, total_q=total_q,
-                 fields=fields)
+    return _plan(Call(
+        device_id=device_id, dtype=dtype, q=q, nheads_kv=k.shape[-2], out=out,
+        lse_shape=lse_shape if return_lse else None, num_args=8, out_arg=7,
+        args=dict(q=0, k=1, v=2, cu_seqlens_q=3, cu_seqlens_k=4, alibi_slopes=5, sinks=6),
+        causal=bool(causal), softmax_scale=softmax_scale, left=left, right=right,
+        num_splits=num_splits, features=features, softcap=softcap, batch=batch,
+        max_sq=max_seqlen_q, max_sk=max_seqlen_k, total_q=total_q, fields=fields))
 
 
 # ---- the plan -------------------------------------------------------------------------------
@@ -218,72 +234,121 @@ def _window_params(left, right, max_sq, max_sk):
     return left, right
 
 
-def _plan(*, device_id, dtype, q, k, out, lse_shape, num_args, out_arg, cu_args, causal, softmax_scale, left, right, num_splits, batch, max_sq, max_sk,
-          total_q, fields) -> Plan:
-    """Variant, grid and split of a checked call; the outputs it allocates; its launches."""
-    nheads, head_dim = q.shape[-2], q.shape[-1]
-    # causal alone = the causal variant; causal with a left bound, or any bound = a window
-    if causal and left < 0:
-        mask = MASK_CAUSAL
-    elif left >= 0 or right >= 0:
-        mask = MASK_WINDOW
-    else:
-        mask = MASK_NONE
-    if batch > _MAX_GRID_YZ or nheads > _MAX_GRID_YZ:
-        raise ValueError(f"q: batch {batch} and nheads {nheads} must each be <= {_MAX_GRID_YZ}")
-    slots, outputs, returned_slots, result = returns(
-        num_args, [(out_arg if out is not None else None, q.shape, q.dtype)] +
-        ([(None, lse_shape, np.float32)] if lse_shape is not None else []))
-    out_slot, lse_slot = (returned_slots + (NULL,))[:2]
-    align = tuple((i, 16) for i in (0, 1, 2)) + ((out_arg, 16),) * (out is not None) + \
-        tuple((i, 4) for i in (cu_args or ()))
-    common = dict(device_id=device_id, align=align, outputs=outputs, result=result)
+@dataclass(frozen=True)
+class Call:
+    """A checked call of the flash kernel (flash_forward, flash_varlen_forward, and
+    paged_prefill over a paged cache), as _plan needs it."""
+    device_id: int
+    dtype: object               # cuattn._dtypes entry of q
+    q: object                   # the query array (shape, dtype)
+    nheads_kv: int
+    out: object                 # the out= argument or None
+    lse_shape: tuple | None     # None: no lse returned
+    num_args: int               # array arguments of the call; out= is argument out_arg
+    out_arg: int
+    args: dict                  # params pointer field -> index of the argument holding it
+    causal: bool
+    softmax_scale: float
+    left: int
+    right: int
+    num_splits: int             # 0: the tuning rule's choice
+    features: int               # FEAT_* bits
+    softcap: float
+    batch: int
+    max_sq: int
+    max_sk: int                 # bounds every sequence's keys
+    total_q: int
+    fields: dict                # the params fields particular to the call (strides, ...)
+    # paged_prefill: ((split, mask kind) -> its kernel variant) and the query heads sharing a
+    # block's rows
+    variant_for: Callable[[bool, int], object] | None = None
+    pack: int = 1
 
-    device = device_info(device_id)
+
+def _mask_kind(causal: bool, left: int, right: int) -> int:
+    """causal alone = the causal variant; causal with a left bound, or any bound = a window."""
+    if causal and left < 0:
+        return MASK_CAUSAL
+    if left >= 0 or right >= 0:
+        return MASK_WINDOW
+    return MASK_NONE
+
+
+def _plan(c: Call) -> Plan:
+    """Variant, grid and split of a checked call; the outputs it allocates; its launches."""
+    nheads, head_dim = c.q.shape[-2], c.q.shape[-1]
+    left, right = c.left, c.right
+    mask = _mask_kind(c.causal, left, right)
+    grid_y = nheads // c.pack
+    if c.batch > _MAX_GRID_YZ or grid_y > _MAX_GRID_YZ:
+        raise ValueError(f"q: batch {c.batch} and nheads {nheads} must each be <= {_MAX_GRID_YZ}")
+    slots, outputs, returned_slots, result = returns(
+        c.num_args, [(c.out_arg if c.out is not None else None, c.q.shape, c.q.dtype)] +
+        ([(None, c.lse_shape, np.float32)] if c.lse_shape is not None else []))
+    out_slot, lse_slot = (returned_slots + (NULL,))[:2]
+    vectors = ("q", "k", "v")
+    align = tuple((c.args[n], 16) for n in vectors) + ((c.out_arg, 16),) * (c.out is not None) + \
+        tuple((i, 4) for n, i in c.args.items() if n not in vectors)
+    common = dict(device_id=c.device_id, align=align, outputs=outputs, result=result)
+
+    device = device_info(c.device_id)
     arch = device.arch
-    base = tuning.flash_forward_variant(dtype.short, head_dim, mask=mask, split=False, arch=arch)
-    m_blocks = -(-max_sq // base.block_m)
-    if m_blocks == 0 or batch == 0:
+
+    def variant_for(split: bool):
+        if c.variant_for is not None:
+            return c.variant_for(split, mask)
+        return tuning.flash_forward_variant(c.dtype.short, head_dim, mask=mask, split=split,
+                                            arch=arch, features=c.features)
+    base = variant_for(False)
+    rows = c.max_sq * c.pack
+    m_blocks = -(-rows // base.block_m)
+    if m_blocks == 0 or c.batch == 0:
         return Plan(**common)
-    n_key_tiles = -(-max_sk // base.block_n)
+    n_key_tiles = -(-c.max_sk // base.block_n)
+    num_splits = c.num_splits
     if num_splits == 0:
         # Resident blocks per SM: shared memory, and registers (the kernels use ~230-255
         # registers per thread, so count 255).
         per_sm = max(1, min(device.smem_per_sm // max(base.dynamic_smem_bytes, 1),
                             65536 // (255 * base.num_threads)))
-        num_splits = tuning.flash_num_splits(batch * nheads * m_blocks, n_key_tiles,
+        num_splits = tuning.flash_num_splits(c.batch * grid_y * m_blocks, n_key_tiles,
                                              device.sm_count, per_sm)
-    num_splits = max(1, min(num_splits, max(n_key_tiles, 1), _MAX_GRID_YZ // batch))
+    num_splits = max(1, min(num_splits, max(n_key_tiles, 1), _MAX_GRID_YZ // c.batch))
     split = num_splits > 1
     variant = base
     scratch, scratch_bytes = (), 0
     if split:
         # Split-KV kernels take the tiles of the masked table (see tuning.flash_tiles);
         # the grid follows their BLOCK_M.
-        variant = tuning.flash_forward_variant(dtype.short, head_dim, mask=mask, split=True,
-                                               arch=arch)
-        m_blocks = -(-max_sq // variant.block_m)
-        oaccum_bytes = num_splits * total_q * nheads * head_dim * 4   # a multiple of 16
+        variant = variant_for(True)
+        m_blocks = -(-rows // variant.block_m)
+        oaccum_bytes = num_splits * c.total_q * nheads * head_dim * 4   # a multiple of 16
         scratch = (0, oaccum_bytes)
-        scratch_bytes = oaccum_bytes + num_splits * nheads * total_q * 4
-    wl, wr = _window_params(left, right, max_sq, max_sk)
-    cu_q, cu_k = (slots.arg(cu_args[0]), slots.arg(cu_args[1])) if cu_args else (NULL, NULL)
-    ptr_slots = (slots.arg(0), slots.arg(1), slots.arg(2), out_slot, lse_slot,
-                 slots.scratch(0) if split else NULL, slots.scratch(1) if split else NULL,
-                 cu_q, cu_k)
+        scratch_bytes = oaccum_bytes + num_splits * nheads * c.total_q * 4
+    wl, wr = _window_params(left, right, c.max_sq, c.max_sk)
+    slot_of = {n: slots.arg(i) for n, i in c.args.items()}
+    slot_of.update(out=out_slot, lse=lse_slot)
+    if split:
+        slot_of.update(oaccum=slots.scratch(0), lseaccum=slots.scratch(1))
+    ptr_slots = tuple(slot_of.get(n, NULL) for n in FLASH_PARAMS.pointer_names())
+    fields = dict(k_stride_block=0, v_stride_block=0, k_stride_chunk=8, v_stride_dim=0,
+                  bt_stride_seq=0, block_shift=0, max_blocks_per_seq=0)
+    fields.update(c.fields)
     tail = FLASH_PARAMS.tail(
-        batch=batch, num_heads=nheads, head_group=nheads // k.shape[-2], total_q=total_q,
+        batch=c.batch, num_heads=nheads, head_group=nheads // c.nheads_kv, total_q=c.total_q,
         head_dim=head_dim, window_left=wl, window_right=wr, num_splits=num_splits,
-        scale_log2=softmax_scale * A.LOG2E, **fields)
-    with cupy.cuda.Device(device_id):
-        launches = [Launch(get_kernel(variant, device_id), (m_blocks, nheads, batch * num_splits),
+        scale_log2=c.softmax_scale * A.LOG2E, softmax_scale_inv=1.0 / c.softmax_scale,
+        **hook_fields(c.softcap, c.softmax_scale), **fields)
+    with cupy.cuda.Device(c.device_id):
+        launches = [Launch(get_kernel(variant, c.device_id), (m_blocks, grid_y, c.batch * num_splits),
                            (variant.num_threads,), variant.dynamic_smem_bytes,
                            FLASH_PARAMS.dtype, ptr_slots, tail)]
-        if split and total_q * nheads > 0:
-            combine = tuning.flash_combine_variant(dtype.short, head_dim)
+        if split and c.total_q * nheads > 0:
+            combine = tuning.flash_combine_variant(c.dtype.short, head_dim,
+                                                   sinks=bool(c.features & FEAT_SINKS))
             rows_per_block = combine.num_threads // 32
-            launches.append(Launch(get_kernel(combine, device_id),
-                                   (-(-total_q * nheads // rows_per_block),),
+            launches.append(Launch(get_kernel(combine, c.device_id),
+                                   (-(-c.total_q * nheads // rows_per_block),),
                                    (combine.num_threads,), 0, FLASH_PARAMS.dtype, ptr_slots,
                                    tail))
     return Plan(**common, scratch=scratch, scratch_bytes=scratch_bytes, launches=tuple(launches))

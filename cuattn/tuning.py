@@ -13,14 +13,15 @@ import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from .variants import (MASK_CAUSAL, MASK_NONE, FlashCombineVariant, FlashFwdVariant,
-                       MergeVariant, PagedMmaVariant, PagedReduceVariant, PagedSimtVariant,
-                       ReshapeCacheVariant)
+from .variants import (FEAT_PACK_GQA, KV_DENSE, MASK_CAUSAL, MASK_NONE, MASK_WINDOW,
+                       FlashCombineVariant, FlashFwdVariant, MergeVariant, PagedMmaVariant,
+                       PagedReduceVariant, PagedSimtVariant, ReshapeCacheVariant)
 
 # ---- overrides (sweeps and tests) ---------------------------------------------------------------
 
 _OVERRIDE_KEYS = {
     "flash_tiles": "FlashTiles every flash forward kernel takes, masked or not",
+    "prefill_tiles": "FlashTiles of paged_prefill's kernel",
     "paged_form": '"mma" or "simt": the paged decode form, wherever that form can run',
     "paged_mma": "PagedMmaTiles of the tensor-core paged form",
 }
@@ -31,7 +32,8 @@ _overrides: dict = {}
 def override(**choices) -> Iterator[None]:
     """Force tuning choices for the calls made inside the block (sweeps and tests).
 
-    Keys: flash_tiles (FlashTiles), paged_form ("mma" / "simt"), paged_mma (PagedMmaTiles).
+    Keys: flash_tiles (FlashTiles), prefill_tiles (FlashTiles), paged_form ("mma" / "simt"),
+    paged_mma (PagedMmaTiles).
     The launch plans cached so far are dropped on entry and on exit.
     """
     unknown = sorted(set(choices) - set(_OVERRIDE_KEYS))
@@ -164,21 +166,47 @@ def flash_tiles(arch: str, head_dim: int, masked: bool) -> FlashTiles:
     return _FLASH_BIG_SMEM[head_dim]
 
 
+# Calls with logits hooks or sinks (FEAT_* bits): the extra registers (a slope per row, the
+# softcap constants, the per-element hook) do not fit the 32-rows-per-warp shapes at hd64
+# (16-176 B of spills) nor their masked / split forms at hd128 (40-60 B), so those take the
+# masked table's tiles; hd128's plain full form stays clean and keeps its tiles. At hd256
+# ptxas (NVRTC 13.0) spills 20-68 B in the hooked none / causal forms of every tile tried
+# (64x32, 64x16, 16x32, 16x64, softmax and kv_split knobs) and none in the window form, so
+# those calls run as the window form with unbounded bounds: the same keys, the same result.
+# hd32's 64x128 tiles spill 20-36 B in the hooked split forms: 64x64 there.
+FLASH_HOOKED_PLAIN_HEAD_DIMS = (128,)
+FLASH_HOOKED_AS_WINDOW_MIN_HEAD_DIM = 256
+_FLASH_HOOKED_TILES = {32: FlashTiles(64, 64, 4, 2)}
+
+
 def flash_forward_variant(dtype: str, head_dim: int, *, mask: int, split: bool,
-                          arch: str) -> FlashFwdVariant:
-    """The forward kernel for a real head dim, a mask kind, split-KV or not, and an arch."""
+                          arch: str, features: int = 0) -> FlashFwdVariant:
+    """The forward kernel for a real head dim, a mask kind, split-KV or not, an arch, and
+    the call's FEAT_* bits."""
     hd = compiled_head_dim(head_dim)
-    t = flash_tiles(arch, hd, masked=mask != MASK_NONE or split)
+    masked = mask != MASK_NONE or split
+    if features:
+        masked = masked or hd not in FLASH_HOOKED_PLAIN_HEAD_DIMS
+        if hd >= FLASH_HOOKED_AS_WINDOW_MIN_HEAD_DIM and not split:
+            mask = MASK_WINDOW
+    t = flash_tiles(arch, hd, masked=masked)
+    if features and hd in _FLASH_HOOKED_TILES and "flash_tiles" not in _overrides:
+        t = _FLASH_HOOKED_TILES[hd]
+    return _flash_variant(dtype, hd, t, mask, split, KV_DENSE, features)
+
+
+def _flash_variant(dtype, hd, t, mask, split, kv, features) -> FlashFwdVariant:
     return FlashFwdVariant(dtype, hd, t.block_m, t.block_n, t.num_warps, t.stages, mask, split,
-                           int(t.q_smem), bool(t.kv_split), int(t.softmax))
+                           int(t.q_smem), bool(t.kv_split), int(t.softmax), kv, features)
 
 
 # Split-KV combine: one warp per (token, head) row.
 FLASH_COMBINE_NUM_THREADS = 128
 
 
-def flash_combine_variant(dtype: str, head_dim: int) -> FlashCombineVariant:
-    return FlashCombineVariant(dtype, compiled_head_dim(head_dim), FLASH_COMBINE_NUM_THREADS)
+def flash_combine_variant(dtype: str, head_dim: int, sinks: bool = False) -> FlashCombineVariant:
+    return FlashCombineVariant(dtype, compiled_head_dim(head_dim), FLASH_COMBINE_NUM_THREADS,
+                               sinks)
 
 
 # Split-KV rule for num_splits=0 (flash_num_splits): as many splits as keep the whole grid
@@ -204,6 +232,41 @@ def flash_num_splits(blocks: int, n_key_tiles: int, num_sms: int, blocks_per_sm:
     by_fill = slots // blocks
     by_length = n_key_tiles // FLASH_MIN_TILES_PER_SPLIT
     return max(1, min(by_fill, by_length, FLASH_MAX_SPLITS))
+
+
+# ---- paged prefill (cuattn.paged_prefill) ---------------------------------------------------------
+# The flash kernel over a paged cache, the query heads of one KV head packed into a block's
+# rows (FEAT_PACK_GQA): a call's rows per (sequence, KV head) are max_seqlen_q x group.
+# Chunks of a prompt (thousands of rows) take the flash tiles of the masked table (with a
+# [dim][key] V tile for vLLM's layout, whose rows need BLOCK_N >= 32); a few new tokens per
+# sequence (speculative verification, rows <= 64) take one m16 tile per warp, and as few
+# warps as cover the rows, so that no warp computes only padding. Above head dim 128 the
+# tiles keep BLOCK_N = 32 (64 spills up to 272 B at 32 rows; 16 leaves vLLM's V no room).
+PREFILL_FEW_ROWS = {16: FlashTiles(16, 32, 1, 3), 32: FlashTiles(32, 32, 2, 3),
+                    64: FlashTiles(64, 64, 4, 2)}
+PREFILL_FEW_ROWS_WIDE = {32: FlashTiles(32, 32, 2, 2)}
+PREFILL_WIDE = FlashTiles(64, 32, 4, 2)
+
+
+def paged_prefill_tiles(arch: str, head_dim: int, rows: int) -> FlashTiles:
+    forced = _overrides.get("prefill_tiles")
+    if forced is not None:
+        return forced
+    few = PREFILL_FEW_ROWS if head_dim <= 128 else PREFILL_FEW_ROWS_WIDE
+    for limit, tiles in few.items():
+        if rows <= limit:
+            return tiles
+    if head_dim > 128:
+        return PREFILL_WIDE
+    return flash_tiles(arch, head_dim, masked=True)
+
+
+def paged_prefill_variant(dtype: str, head_size: int, *, mask: int, split: bool, arch: str,
+                          kv: int, features: int, rows: int) -> FlashFwdVariant:
+    """paged_prefill's kernel: rows = max_seqlen_q x (query heads per KV head)."""
+    hd = compiled_head_dim(head_size)
+    t = paged_prefill_tiles(arch, hd, rows)
+    return _flash_variant(dtype, hd, t, mask, split, kv, features | FEAT_PACK_GQA)
 
 
 # ---- paged (paged_attention / reshape_and_cache) -------------------------------------------------
@@ -253,9 +316,10 @@ PAGED_SIMT_PARTITION_SIZE = 512
 
 
 def paged_simt_variant(dtype: str, cache: str, head_size: int, block_size: int, group: int,
-                       partition_size: int, alibi: bool) -> PagedSimtVariant:
+                       partition_size: int, alibi: bool, softcap: bool = False,
+                       sinks: bool = False) -> PagedSimtVariant:
     return PagedSimtVariant(dtype, cache, head_size, block_size, group, partition_size, alibi,
-                            PAGED_SIMT_NUM_THREADS)
+                            PAGED_SIMT_NUM_THREADS, softcap, sinks and not partition_size)
 
 
 def paged_simt_plan(max_context: int, partition_size: int | None) -> tuple[str, int]:
@@ -288,10 +352,11 @@ def paged_mma_tiles(head_size: int) -> PagedMmaTiles:
 
 
 def paged_mma_variant(dtype: str, head_size: int, block_size: int, group: int,
-                      partition_size: int, alibi: bool) -> PagedMmaVariant:
+                      partition_size: int, alibi: bool, softcap: bool = False,
+                      sinks: bool = False, nhd: bool = False) -> PagedMmaVariant:
     t = paged_mma_tiles(head_size)
     return PagedMmaVariant(dtype, head_size, block_size, group, partition_size, alibi,
-                           t.num_warps, t.stages)
+                           t.num_warps, t.stages, softcap, sinks and not partition_size, nhd)
 
 
 # Tensor-core form, version="auto" (and v2's partition when the call names none). MEASURED
@@ -327,9 +392,9 @@ def paged_mma_plan(num_ctas_v1: int, max_context: int, num_sms: int,
 PAGED_REDUCE_GROUPS = 4
 
 
-def paged_reduce_variant(dtype: str, head_size: int) -> PagedReduceVariant:
+def paged_reduce_variant(dtype: str, head_size: int, sinks: bool = False) -> PagedReduceVariant:
     threads = -(-head_size // 4 // 32) * 32 * PAGED_REDUCE_GROUPS
-    return PagedReduceVariant(dtype, head_size, threads)
+    return PagedReduceVariant(dtype, head_size, threads, sinks)
 
 
 RESHAPE_CACHE_NUM_THREADS = 128

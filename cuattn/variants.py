@@ -18,15 +18,20 @@ from .jit import ParamsStruct, Variant
 FLASH_PARAMS = ParamsStruct("FlashFwdParams", [
     ("q", "ptr"), ("k", "ptr"), ("v", "ptr"), ("out", "out"), ("lse", "out"),
     ("oaccum", "out"), ("lseaccum", "out"), ("cu_seqlens_q", "ptr"), ("cu_seqlens_k", "ptr"),
+    ("block_tables", "ptr"), ("seqused_k", "ptr"), ("alibi_slopes", "ptr"), ("sinks", "ptr"),
     ("q_stride_batch", "i64"), ("q_stride_row", "i64"), ("q_stride_head", "i64"),
     ("k_stride_batch", "i64"), ("k_stride_row", "i64"), ("k_stride_head", "i64"),
     ("v_stride_batch", "i64"), ("v_stride_row", "i64"), ("v_stride_head", "i64"),
     ("o_stride_batch", "i64"), ("o_stride_row", "i64"), ("o_stride_head", "i64"),
     ("lse_stride_batch", "i64"), ("lse_stride_head", "i64"), ("lse_stride_row", "i64"),
+    ("k_stride_block", "i64"), ("v_stride_block", "i64"), ("k_stride_chunk", "i64"),
+    ("v_stride_dim", "i64"), ("bt_stride_seq", "i64"),
     ("batch", "i32"), ("num_heads", "i32"), ("head_group", "i32"), ("seqlen_q", "i32"),
     ("seqlen_k", "i32"), ("total_q", "i32"), ("head_dim", "i32"), ("window_left", "i32"),
-    ("window_right", "i32"), ("num_splits", "i32"),
-    ("scale_log2", "f32"),
+    ("window_right", "i32"), ("num_splits", "i32"), ("block_shift", "i32"),
+    ("max_blocks_per_seq", "i32"),
+    ("scale_log2", "f32"), ("softmax_scale_inv", "f32"), ("softcap_in", "f32"),
+    ("softcap_out", "f32"),
 ])
 
 MERGE_PARAMS = ParamsStruct("MergeParams", [
@@ -45,21 +50,23 @@ MERGE_PARAMS = ParamsStruct("MergeParams", [
 PAGED_PARAMS = ParamsStruct("PagedParams", [
     ("out", "out"), ("lse", "out"), ("tmp_out", "out"), ("tmp_lse", "out"), ("q", "ptr"),
     ("k_cache", "ptr"), ("v_cache", "ptr"), ("block_tables", "ptr"), ("seq_lens", "ptr"),
-    ("alibi_slopes", "ptr"),
+    ("alibi_slopes", "ptr"), ("sinks", "ptr"),
     ("q_stride_seq", "i64"), ("q_stride_head", "i64"),
     ("out_stride_seq", "i64"), ("out_stride_head", "i64"),
     ("lse_stride_head", "i64"), ("lse_stride_seq", "i64"),
     ("k_stride_block", "i64"), ("k_stride_head", "i64"), ("k_stride_x", "i64"),
     ("k_stride_token", "i64"),
     ("v_stride_block", "i64"), ("v_stride_head", "i64"), ("v_stride_dim", "i64"),
-    ("bt_stride_seq", "i64"),
-    ("scale_log2", "f32"), ("v_scale", "f32"),
+    ("v_stride_token", "i64"), ("bt_stride_seq", "i64"),
+    ("scale_log2", "f32"), ("v_scale", "f32"), ("softcap_in", "f32"), ("softcap_out", "f32"),
     ("num_seqs", "i32"), ("num_heads", "i32"), ("gqa_ratio", "i32"),
     ("max_blocks_per_seq", "i32"), ("max_parts", "i32"), ("logits_stride", "i32"),
+    ("window_left", "i32"),
 ])
 
 PAGED_REDUCE_PARAMS = ParamsStruct("PagedReduceParams", [
     ("out", "out"), ("lse", "out"), ("tmp_out", "ptr"), ("tmp_lse", "ptr"), ("seq_lens", "ptr"),
+    ("sinks", "ptr"),
     ("out_stride_seq", "i64"), ("out_stride_head", "i64"),
     ("lse_stride_head", "i64"), ("lse_stride_seq", "i64"),
     ("num_heads", "i32"), ("max_parts", "i32"), ("partition_size", "i32"),
@@ -74,6 +81,7 @@ RESHAPE_PARAMS = ParamsStruct("ReshapeCacheParams", [
     ("k_stride_block", "i64"), ("k_stride_head", "i64"), ("k_stride_x", "i64"),
     ("k_stride_token", "i64"),
     ("v_stride_block", "i64"), ("v_stride_head", "i64"), ("v_stride_dim", "i64"),
+    ("v_stride_token", "i64"),
     ("k_scale", "f32"), ("v_scale", "f32"),
     ("num_tokens", "i32"), ("num_kv_heads", "i32"), ("head_size", "i32"), ("block_size", "i32"),
 ])
@@ -81,6 +89,14 @@ RESHAPE_PARAMS = ParamsStruct("ReshapeCacheParams", [
 # Mask kinds of the flash kernel (cuda_src/common/mask.cuh kMask*).
 MASK_NONE, MASK_CAUSAL, MASK_WINDOW = 0, 1, 2
 _MASK_NAMES = {MASK_NONE: "c0", MASK_CAUSAL: "c1", MASK_WINDOW: "win"}
+# K/V sources of the flash kernel (cuda_src/flash_fwd.cuh kKv*): dense, or a paged cache.
+KV_DENSE, KV_PAGED_NHD, KV_PAGED_VLLM = 0, 1, 2
+_KV_NAMES = {KV_DENSE: (), KV_PAGED_NHD: ("nhd",), KV_PAGED_VLLM: ("vllm",)}
+# Feature bits of the flash kernel (cuda_src/flash_fwd.cuh k*): logits hooks, sinks, and the
+# query heads of one KV head packed into a block's rows.
+FEAT_SOFTCAP, FEAT_ALIBI, FEAT_SINKS, FEAT_PACK_GQA = 1, 2, 4, 8
+_FEATURE_NAMES = ((FEAT_SOFTCAP, "cap"), (FEAT_ALIBI, "alibi"), (FEAT_SINKS, "sink"),
+                  (FEAT_PACK_GQA, "gqa"))
 
 
 # ---- flash (cuda_src/flash_fwd.cuh) -------------------------------------------------------------
@@ -98,6 +114,8 @@ class FlashFwdVariant(Variant):
     q_smem: int           # FlashFwdTraits' knobs (cuda_src/flash_fwd.cuh, tuning.FlashTiles)
     kv_split: bool
     softmax: int
+    kv: int = KV_DENSE    # the K/V source
+    features: int = 0     # FEAT_* bits
 
     op: ClassVar[str] = "flash_fwd"
     header: ClassVar[str] = "flash_fwd.cuh"
@@ -108,9 +126,11 @@ class FlashFwdVariant(Variant):
 
     def __post_init__(self):
         if self.mask not in _MASK_NAMES or self.softmax not in (0, 1, 2, 3) or \
-                self.q_smem not in (0, 1, 2):
+                self.q_smem not in (0, 1, 2) or self.kv not in _KV_NAMES or \
+                not 0 <= self.features < 16:
             raise ValueError(f"FlashFwdVariant: mask 0 to 2 (got {self.mask}), softmax 0 to 3 "
-                             f"(got {self.softmax}), q_smem 0 to 2 (got {self.q_smem})")
+                             f"(got {self.softmax}), q_smem 0 to 2 (got {self.q_smem}), kv 0 "
+                             f"to 2 (got {self.kv}), features 0 to 15 (got {self.features})")
 
     def name_parts(self):
         parts = (self.dtype, f"hd{self.head_dim}", f"bm{self.block_m}", f"bn{self.block_n}",
@@ -118,16 +138,24 @@ class FlashFwdVariant(Variant):
         qs = {0: (), 1: ("qs",)}.get(self.q_smem, (f"qs{self.q_smem}",))
         knobs = qs + (("kvs",) if self.kv_split else ()) + \
             ((f"sm{self.softmax}",) if self.softmax else ())
-        return parts + knobs + (("split",) if self.split else ())
+        features = tuple(name for bit, name in _FEATURE_NAMES if self.features & bit)
+        return parts + knobs + (("split",) if self.split else ()) + _KV_NAMES[self.kv] + features
 
     def traits_args(self):
         return (BY_SHORT[self.dtype].cpp, self.head_dim, self.block_m, self.block_n,
                 self.num_warps, self.stages, self.mask, self.split, self.q_smem, self.kv_split,
-                self.softmax)
+                self.softmax, self.kv, self.features)
 
     @property
     def num_threads(self) -> int:
         return 32 * self.num_warps
+
+    @property
+    def min_blocks(self) -> int | None:
+        # 1- and 2-warp blocks (paged_prefill's few-rows tiles): under the plain bound ptxas
+        # (NVRTC 13.0) capped them at 128-168 registers and spilled; (threads, 1) lets them
+        # take up to 255 like the 4-warp forms, whose plain bound stays as it is.
+        return 1 if self.num_warps < 4 else None
 
     @property
     def dynamic_smem_bytes(self) -> int:
@@ -138,16 +166,19 @@ class FlashFwdVariant(Variant):
 @dataclass(frozen=True)
 class _CombineKey:
     """The key of a kernel that merges fp32 partial rows by their lse (split-KV's combine,
-    paged v2's reduce), whose traits are <T, HEAD_DIM, NUM_THREADS>; a Variant mixes it in."""
+    paged v2's reduce), whose traits are <T, HEAD_DIM, NUM_THREADS, SINKS>; a Variant mixes
+    it in."""
     dtype: str
     head_dim: int         # (compiled) head dim: bounds the per-thread column passes
     threads: int
+    sinks: bool           # each head's sink logit joins the merged state
 
     def name_parts(self):
-        return (self.dtype, f"hd{self.head_dim}", f"t{self.threads}")
+        return (self.dtype, f"hd{self.head_dim}", f"t{self.threads}") + \
+            (("sinks",) if self.sinks else ())
 
     def traits_args(self):
-        return (BY_SHORT[self.dtype].cpp, self.head_dim, self.threads)
+        return (BY_SHORT[self.dtype].cpp, self.head_dim, self.threads, self.sinks)
 
 
 @dataclass(frozen=True)
@@ -192,6 +223,10 @@ class MergeVariant(Variant):
 
 # ---- paged decode (cuda_src/paged_attention*.cuh, paged_reduce.cuh, reshape_and_cache.cuh) ----
 
+def _hook_names(key) -> tuple:
+    return (("cap",) if key.softcap else ()) + (("sink",) if key.sinks else ())
+
+
 @dataclass(frozen=True)
 class PagedSimtVariant(Variant):
     """The CUDA-core form (cuda_src/paged_attention.cuh): fp8 caches, any head size."""
@@ -203,6 +238,8 @@ class PagedSimtVariant(Variant):
     partition_size: int   # 0 = v1 (whole sequence), else v2's partition in tokens
     alibi: bool
     threads: int
+    softcap: bool = False
+    sinks: bool = False   # v1 only (v2's sinks join in the reduce)
 
     op: ClassVar[str] = "paged"
     header: ClassVar[str] = "paged_attention.cuh"
@@ -213,11 +250,12 @@ class PagedSimtVariant(Variant):
     def name_parts(self):
         return (self.dtype, f"kv{self.cache_dtype}", f"hd{self.head_size}", f"bs{self.block_size}",
                 f"g{self.group}", f"p{self.partition_size}" if self.partition_size else "v1",
-                f"a{int(self.alibi)}", f"t{self.threads}")
+                f"a{int(self.alibi)}", f"t{self.threads}") + _hook_names(self)
 
     def traits_args(self):
         return (BY_SHORT[self.dtype].cpp, BY_SHORT[self.cache_dtype].cpp, self.head_size,
-                self.block_size, self.group, self.partition_size, self.alibi, self.threads)
+                self.block_size, self.group, self.partition_size, self.alibi, self.threads,
+                self.softcap, self.sinks)
 
     @property
     def min_blocks(self) -> int:
@@ -253,6 +291,9 @@ class PagedMmaVariant(Variant):
     alibi: bool
     num_warps: int        # the ring (tuning.PagedMmaTiles)
     stages: int
+    softcap: bool = False
+    sinks: bool = False   # v1 only (v2's sinks join in the reduce)
+    nhd: bool = False     # the NHD cache layout
 
     op: ClassVar[str] = "paged_mma"
     header: ClassVar[str] = "paged_attention_mma.cuh"
@@ -265,11 +306,13 @@ class PagedMmaVariant(Variant):
     def name_parts(self):
         return (self.dtype, f"hd{self.head_size}", f"bs{self.block_size}", f"g{self.group}",
                 f"p{self.partition_size}" if self.partition_size else "v1",
-                f"a{int(self.alibi)}", f"w{self.num_warps}", f"st{self.stages}")
+                f"a{int(self.alibi)}", f"w{self.num_warps}", f"st{self.stages}") + \
+            _hook_names(self) + (("nhd",) if self.nhd else ())
 
     def traits_args(self):
         return (BY_SHORT[self.dtype].cpp, self.head_size, self.block_size, self.group,
-                self.partition_size, self.alibi, self.num_warps, self.stages)
+                self.partition_size, self.alibi, self.num_warps, self.stages, self.softcap,
+                self.sinks, self.nhd)
 
     @property
     def num_threads(self) -> int:

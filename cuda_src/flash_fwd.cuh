@@ -2,10 +2,12 @@
 // materialising the scores, plus the natural-log log-sum-exp of each row. The algorithm is
 // Dao 2023, "FlashAttention-2" (online softmax over K/V tiles, each warp owning its query
 // rows); split-KV (Flash-Decoding) writes fp32 partial results merged by the combine kernel.
-// The kernel is assembled from named parts: a K/V tile source (DenseKVSource), the key tiles
-// a block visits under its mask (KeyTiles, common/mask.cuh), a logits hook
-// (common/logits.cuh), the online softmax of the warp's rows (WarpSoftmax over
-// common/softmax.cuh's SoftmaxState) and two epilogues (the output, or split-KV partials).
+// The kernel is assembled from named parts: the query rows of a block (QueryRows: one head,
+// or the heads of one KV head packed), a K/V tile source (KVSource: dense, or a paged cache
+// in either layout, for paged_prefill), the key tiles a block visits under its mask
+// (KeyTiles, common/mask.cuh), a logits hook (common/logits.cuh: softcap, ALiBi), the online
+// softmax of the warp's rows (WarpSoftmax over common/softmax.cuh's SoftmaxState, with the
+// attention sinks at the end) and two epilogues (the output, or split-KV partials).
 #pragma once
 #include "common/types.cuh"
 #include "common/softmax.cuh"
@@ -15,6 +17,11 @@
 #include "params/flash_fwd.cuh"
 
 namespace cuattn {
+
+// Where K and V come from (FlashFwdTraits KV; params/flash_fwd.cuh has the layouts).
+enum : int { kKvDense = 0, kKvPagedNhd = 1, kKvPagedVllm = 2 };
+// What a kernel does beyond plain attention (FlashFwdTraits FEATURES, bits).
+enum : int { kSoftcap = 1, kAlibi = 2, kSinks = 4, kPackGqa = 8 };
 
 // Every knob of one forward kernel (cuattn.variants.FlashFwdVariant, chosen by
 // cuattn/tuning.py) and every tile constant derived from them.
@@ -31,12 +38,24 @@ namespace cuattn {
 //   SOFTMAX   bit 0: branch-free rescale (O *= alpha every tile, alpha = 1 when the row max
 //             stays) instead of a divergent branch per row; bit 1: P packed to T right after
 //             its exp2, and no -inf guard on the row max without a band.
+//   KV        kKvDense / kKvPagedNhd / kKvPagedVllm: the K/V source.
+//   FEATURES  bits: kSoftcap, kAlibi (the logits hook), kSinks (a per-head logit in the
+//             denominator), kPackGqa (a block's rows are the tokens x query heads of one KV
+//             head: each K/V tile is read once for the whole group; paged_prefill).
 template <typename T_, int HEAD_DIM_, int BLOCK_M_, int BLOCK_N_, int NUM_WARPS_, int STAGES_,
-          int MASK_, bool SPLIT_, int Q_SMEM_, bool KV_SPLIT_, int SOFTMAX_>
+          int MASK_, bool SPLIT_, int Q_SMEM_, bool KV_SPLIT_, int SOFTMAX_, int KV_,
+          int FEATURES_>
 struct FlashFwdTraits {
   using T = T_;
   using Mask = BandMask<MASK_>;
-  using Logits = NoLogitsHook;                          // the logits hook point
+  static constexpr int KV = KV_;
+  static constexpr bool PAGED = KV != kKvDense;
+  static constexpr bool V_BY_DIM = KV == kKvPagedVllm;  // V tile is [dim][key] (vLLM's V)
+  static constexpr bool SOFTCAP = (FEATURES_ & kSoftcap) != 0;
+  static constexpr bool ALIBI = (FEATURES_ & kAlibi) != 0;
+  static constexpr bool SINKS = (FEATURES_ & kSinks) != 0;
+  static constexpr bool PACK_GQA = (FEATURES_ & kPackGqa) != 0;
+  using Logits = LogitsHook<SOFTCAP, ALIBI>;            // the logits hook point
   static constexpr int HEAD_DIM = HEAD_DIM_;
   static constexpr int BLOCK_M = BLOCK_M_;
   static constexpr int BLOCK_N = BLOCK_N_;
@@ -60,7 +79,8 @@ struct FlashFwdTraits {
   static constexpr int KV_TILE_BYTES = BLOCK_N * HEAD_DIM * 2;
   static constexpr int STAGE_BYTES = 2 * KV_TILE_BYTES;  // K tile then V tile
   static constexpr int SMEM_BYTES = Q_BYTES + STAGES * STAGE_BYTES;
-  static constexpr int KV_CHUNKS = BLOCK_N * D_CHUNKS;
+  static constexpr int KV_CHUNKS = BLOCK_N * D_CHUNKS;   // of K, and of V either way
+  static constexpr int VT_CHUNKS = BLOCK_N / 8;         // V_BY_DIM: chunks (8 keys) per dim row
   static constexpr int KV_LOADS_PER_THREAD = (KV_CHUNKS + THREADS - 1) / THREADS;
   static constexpr int Q_LOADS_PER_LANE = WARP_M * D_CHUNKS / 32;
   // K/V copies: each thread copies a fixed 16-byte column chunk of every ROWS_PER_PASS-th
@@ -98,6 +118,9 @@ struct FlashFwdTraits {
   static_assert(STAGES >= 2, "at least double buffering");
   static_assert((WARP_M * D_CHUNKS) % 32 == 0, "Q rows of a warp split evenly over lanes");
   static_assert(Q_SMEM >= 0 && Q_SMEM <= 2 && SOFTMAX_ >= 0 && SOFTMAX_ <= 3, "knob range");
+  static_assert(KV_ >= kKvDense && KV_ <= kKvPagedVllm && FEATURES_ >= 0 && FEATURES_ < 16,
+                "knob range");
+  static_assert(!V_BY_DIM || BLOCK_N % 32 == 0, "a [dim][key] V tile: rows of >= 4 chunks");
 };
 
 // Rows of one batch entry: where they start and how many there are.
@@ -113,37 +136,98 @@ __device__ __forceinline__ SeqRange seq_range(const void* cu_seqlens, int b, int
   return {start, cu[b + 1] - start};
 }
 
-// ---- K/V tile source: dense K and V of one KV head, any row stride ------------------------
-// load() copies key tile `tile` into a pipeline stage (K tile, then V tile, swizzled rows);
-// keys past the sequence and columns past head_dim are zero-filled (a zero V row keeps
-// 0 * garbage out of P V).
+// The query rows of a block: row R of the block's sequence of rows is token R of head
+// head0, or with PACK_GQA token R / group of head head0 + R % group (the group query heads
+// of one KV head, interleaved per token so that a tile's rows span few tokens).
+template <bool PACK>
+struct QueryRows {
+  int head0;
+  int group;   // PACK: query heads per KV head (else 1)
+  __device__ __forceinline__ int token(int R) const { return PACK ? R / group : R; }
+  __device__ __forceinline__ int head(int R) const { return PACK ? head0 + R % group : head0; }
+};
+
+// ---- K/V tile source: one KV head's K and V, dense or paged ---------------------------------
+// load() copies key tile `tile` into a pipeline stage (K tile, then V tile); keys past the
+// sequence and columns past head_dim are zero-filled (a zero V row keeps 0 * garbage out of
+// P V; nothing past a sequence's keys is read). K tiles are [key][16-byte chunk] rows, V
+// tiles the same, or with V_BY_DIM (vLLM's V layout, 8 keys of one dim in 16 bytes)
+// [dim][8-key chunk] rows; all rows XOR-swizzled (common/mma.cuh).
 template <typename Tr>
-struct DenseKVSource {
+struct KVSource {
   using T = typename Tr::T;
   const FlashFwdParams& p;
-  const T* k;           // row 0 of this sequence and KV head
-  const T* v;
+  const T* k;           // dense: key 0 of this sequence and KV head; paged: this KV head's
+  const T* v;           // offset in the caches
+  const int* block_table;   // paged: this sequence's row
   int sk;
   int head_dim_chunks;
   int tid;
   int ld_row, ld_ch;    // EVEN_ROWS: this thread's first row and its column chunk
   bool ld_ch_ok;
 
-  __device__ __forceinline__ DenseKVSource(const FlashFwdParams& params, const T* k_rows,
-                                           const T* v_rows, int seqlen_k, int thread)
-      : p(params), k(k_rows), v(v_rows), sk(seqlen_k), head_dim_chunks(params.head_dim / 8),
-        tid(thread), ld_row(Tr::EVEN_ROWS ? thread / Tr::D_CHUNKS : 0),
+  __device__ __forceinline__ KVSource(const FlashFwdParams& params, const T* k_rows,
+                                      const T* v_rows, const int* table, int seqlen_k,
+                                      int thread)
+      : p(params), k(k_rows), v(v_rows), block_table(table), sk(seqlen_k),
+        head_dim_chunks(params.head_dim / 8), tid(thread),
+        ld_row(Tr::EVEN_ROWS ? thread / Tr::D_CHUNKS : 0),
         ld_ch(Tr::EVEN_ROWS ? thread % Tr::D_CHUNKS : 0), ld_ch_ok(ld_ch < head_dim_chunks) {}
+
+  // Paged: the cache block and slot of key j.
+  __device__ __forceinline__ long long block_of(int j) const {
+    return __ldg(block_table + (j >> p.block_shift));
+  }
+  __device__ __forceinline__ int slot_of(int j) const {
+    return j & ((1 << p.block_shift) - 1);
+  }
+  // Element offsets of chunk ch of key j's K row and of its V row (not V_BY_DIM).
+  __device__ __forceinline__ long long k_offset(int j, int ch) const {
+    if constexpr (!Tr::PAGED) return (long long)j * p.k_stride_row + ch * 8;
+    const long long chunk = Tr::KV == kKvPagedVllm ? ch * p.k_stride_chunk : ch * 8;
+    return block_of(j) * p.k_stride_block + slot_of(j) * p.k_stride_row + chunk;
+  }
+  __device__ __forceinline__ long long v_offset(int j, int ch) const {
+    if constexpr (!Tr::PAGED) return (long long)j * p.v_stride_row + ch * 8;
+    return block_of(j) * p.v_stride_block + slot_of(j) * p.v_stride_row + ch * 8;
+  }
 
   __device__ __forceinline__ void load(u32 stage_base, int tile, bool do_k = true,
                                        bool do_v = true) const {
     constexpr int D_CHUNKS = Tr::D_CHUNKS;
     const u32 sk_base = stage_base;
     const u32 sv_base = stage_base + Tr::KV_TILE_BYTES;
-    if constexpr (Tr::EVEN_ROWS) {
+    const bool rows_v = do_v && !Tr::V_BY_DIM;   // V copied here as [key][chunk] rows
+    if constexpr (Tr::KV == kKvPagedVllm) {
+      // vLLM's K holds chunk c of a block's consecutive tokens contiguously, so consecutive
+      // threads take consecutive keys of one chunk (a warp reads whole 256-byte runs); each
+      // thread keeps its keys, one block-table entry per KEYS-key pass. (With a token's
+      // chunks spread over 16 threads, as for NHD, every 16-byte read was half a sector:
+      // vllm/16 ran at 0.55-0.59x of the dense call against nhd's 0.83-0.88x.)
+      constexpr int KEYS = Tr::BLOCK_N < Tr::THREADS ? Tr::BLOCK_N : Tr::THREADS;
+      constexpr int CSTEP = Tr::THREADS / KEYS;
+      static_assert(Tr::BLOCK_N % KEYS == 0 && D_CHUNKS % CSTEP == 0, "whole passes");
+      if (do_k) {
+#pragma unroll
+        for (int rr = 0; rr < Tr::BLOCK_N / KEYS; ++rr) {
+          const int r = rr * KEYS + tid % KEYS;
+          const int key = tile * Tr::BLOCK_N + r;
+          const bool key_ok = key < sk;
+          const T* kp = key_ok ? k + block_of(key) * p.k_stride_block + slot_of(key) * p.k_stride_row
+                               : k;
+#pragma unroll
+          for (int j = 0; j < D_CHUNKS / CSTEP; ++j) {
+            const int c = j * CSTEP + tid / KEYS;
+            const bool ok = key_ok && c < head_dim_chunks;
+            cp_async_16(sk_base + swizzled_offset<D_CHUNKS>(r, c), ok ? kp + c * p.k_stride_chunk : k,
+                        ok ? 16 : 0);
+          }
+        }
+      }
+    } else if constexpr (Tr::EVEN_ROWS && !Tr::PAGED) {
       const int key0 = tile * Tr::BLOCK_N + ld_row;
-      const T* ks = k + (long long)key0 * p.k_stride_row + ld_ch * 8;
-      const T* vs = v + (long long)key0 * p.v_stride_row + ld_ch * 8;
+      const T* ks = k + k_offset(key0, ld_ch);
+      const T* vs = v + v_offset(key0, ld_ch);
       const long long k_step = (long long)Tr::ROWS_PER_PASS * p.k_stride_row;
       const long long v_step = (long long)Tr::ROWS_PER_PASS * p.v_stride_row;
 #pragma unroll
@@ -152,9 +236,37 @@ struct DenseKVSource {
         const bool ok = ld_ch_ok && key0 + it * Tr::ROWS_PER_PASS < sk;
         const u32 off = swizzled_offset<D_CHUNKS>(r, ld_ch);
         if (do_k) cp_async_16(sk_base + off, ok ? ks : k, ok ? 16 : 0);
-        if (do_v) cp_async_16(sv_base + off, ok ? vs : v, ok ? 16 : 0);
+        if (rows_v) cp_async_16(sv_base + off, ok ? vs : v, ok ? 16 : 0);
         ks += k_step;
         vs += v_step;
+      }
+    } else if constexpr (Tr::EVEN_ROWS) {
+      // Paged: thread group ld_row copies chunk ld_ch of the RPT consecutive keys
+      // [ld_row * RPT, +RPT) of the tile (16 threads still cover a row's 256 bytes): they
+      // share one cache block whenever block_size >= RPT, so the block table is read once
+      // per tile (again only where a key starts a new block) and K and V share the entry.
+      // (Strided rows, as in the dense path, cost a table read and address per row: the
+      // first measurement of paged_prefill, bench/NOTES.md.)
+      constexpr int RPT = Tr::BLOCK_N / Tr::ROWS_PER_PASS;
+      const int r0 = ld_row * RPT;
+      const int key0 = tile * Tr::BLOCK_N + r0;
+      const long long k_chunk = Tr::KV == kKvPagedVllm ? ld_ch * p.k_stride_chunk : ld_ch * 8;
+      const T* kp = k;
+      const T* vp = v;
+#pragma unroll
+      for (int it = 0; it < RPT; ++it) {
+        const int key = key0 + it;
+        const bool ok = ld_ch_ok && key < sk;
+        if (it == 0 || slot_of(key) == 0) {
+          const long long blk = key < sk ? block_of(key) : 0;
+          kp = k + blk * p.k_stride_block + slot_of(key) * p.k_stride_row + k_chunk;
+          vp = v + blk * p.v_stride_block + slot_of(key) * p.v_stride_row + ld_ch * 8;
+        }
+        const u32 off = swizzled_offset<D_CHUNKS>(r0 + it, ld_ch);
+        if (do_k) cp_async_16(sk_base + off, ok ? kp : k, ok ? 16 : 0);
+        if (rows_v) cp_async_16(sv_base + off, ok ? vp : v, ok ? 16 : 0);
+        kp += p.k_stride_row;
+        vp += p.v_stride_row;
       }
     } else {
 #pragma unroll
@@ -165,10 +277,32 @@ struct DenseKVSource {
           const int key = tile * Tr::BLOCK_N + r;
           const bool ok = key < sk && ch < head_dim_chunks;
           const u32 off = swizzled_offset<D_CHUNKS>(r, ch);
-          const T* ks = ok ? k + (long long)key * p.k_stride_row + ch * 8 : k;
-          const T* vs = ok ? v + (long long)key * p.v_stride_row + ch * 8 : v;
-          if (do_k) cp_async_16(sk_base + off, ks, ok ? 16 : 0);
-          if (do_v) cp_async_16(sv_base + off, vs, ok ? 16 : 0);
+          if (do_k) cp_async_16(sk_base + off, ok ? k + k_offset(key, ch) : k, ok ? 16 : 0);
+          if (rows_v) cp_async_16(sv_base + off, ok ? v + v_offset(key, ch) : v, ok ? 16 : 0);
+        }
+      }
+    }
+    if constexpr (Tr::V_BY_DIM) {
+      // chunk c = (dim c / VT_CHUNKS, keys 8 (c % VT_CHUNKS) ..): 8 keys of one dim, in
+      // one cache block (block_size >= 8); the keys past the sequence zero-filled.
+      // Each thread copies one fixed 8-key column (one block-table entry per tile) of every
+      // DIMS_PER_PASS-th dim.
+      constexpr int VTC = Tr::VT_CHUNKS;
+      static_assert(Tr::THREADS % VTC == 0 && Tr::HEAD_DIM % (Tr::THREADS / VTC) == 0,
+                    "whole dim rows per pass");
+      constexpr int DIMS_PER_PASS = Tr::THREADS / VTC;
+      if (do_v) {
+        const int kc = tid % VTC;
+        const int key0 = tile * Tr::BLOCK_N + kc * 8;
+        const bool key_ok = key0 < sk;
+        const T* col = key_ok ? v + block_of(key0) * p.v_stride_block + slot_of(key0) : v;
+        const int bytes = key_ok ? 2 * min(8, sk - key0) : 0;
+#pragma unroll
+        for (int it = 0; it < Tr::HEAD_DIM / DIMS_PER_PASS; ++it) {
+          const int d = it * DIMS_PER_PASS + tid / VTC;
+          const bool ok = key_ok && d < p.head_dim;
+          cp_async_16(sv_base + swizzled_offset<VTC>(d, kc), ok ? col + d * p.v_stride_dim : v,
+                      ok ? bytes : 0);
         }
       }
     }
@@ -294,12 +428,16 @@ struct WarpSoftmax {
     pf[3] = pack_pair<T>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
   }
 
-  // Whole rows: the quad's parts of each sum added, each row's normaliser and lse.
+  // Whole rows: the quad's parts of each sum added, each row's normaliser and lse. With
+  // sinks (WITH_SINKS), row (mt, hr)'s sink logit sink[mt][hr] (raw-score units) joins the
+  // denominator as a state {sink, 1} of no value: the merged max may move, so inv_sum also
+  // carries the factor that rescales the row's accumulator.
   struct Rows {
     float inv_sum[M_TILES][2];
     float lse[M_TILES][2];
   };
-  __device__ __forceinline__ Rows finish() {
+  template <bool WITH_SINKS>
+  __device__ __forceinline__ Rows finish(const float (&sink)[M_TILES][2]) {
     Rows r;
 #pragma unroll
     for (int mt = 0; mt < M_TILES; ++mt) {
@@ -308,7 +446,14 @@ struct WarpSoftmax {
         SoftmaxState& st = row[mt][hr];
         st.sum += __shfl_xor_sync(0xffffffffu, st.sum, 1);
         st.sum += __shfl_xor_sync(0xffffffffu, st.sum, 2);
-        r.inv_sum[mt][hr] = st.inv_sum();
+        float alpha = 1.f;
+        if constexpr (WITH_SINKS) {
+          const float m = fmaxf(st.max, sink[mt][hr]);
+          const float b = SoftmaxState::base(m, scale);
+          alpha = st.rescale(m, scale, b);
+          st.sum += SoftmaxState::weight(sink[mt][hr], scale, b);
+        }
+        r.inv_sum[mt][hr] = alpha * st.inv_sum();
         r.lse[mt][hr] = st.lse(scale);
       }
     }
@@ -321,8 +466,9 @@ struct WarpSoftmax {
 template <typename Tr>
 __device__ __forceinline__ void store_partials(
     const FlashFwdParams& p, const typename WarpSoftmax<Tr>::Rows& rows,
-    const float (&o_acc)[Tr::M_TILES][Tr::O_N_TILES][4], int b, int h, int split,
-    const SeqRange& qr, int m0, int warp, int g, int t4, int head_dim_chunks) {
+    const float (&o_acc)[Tr::M_TILES][Tr::O_N_TILES][4], int b, const QueryRows<Tr::PACK_GQA>& qrows,
+    int num_rows, int split, const SeqRange& qr, int m0, int warp, int g, int t4,
+    int head_dim_chunks) {
   const long long row_base = (p.cu_seqlens_q == nullptr ? (long long)b * p.seqlen_q : 0) +
                              qr.start;
   float* oacc = static_cast<float*>(p.oaccum);
@@ -331,10 +477,11 @@ __device__ __forceinline__ void store_partials(
   for (int mt = 0; mt < Tr::M_TILES; ++mt) {
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
-      const int i = m0 + warp * Tr::WARP_M + mt * 16 + g + hr * 8;
-      if (i >= qr.len) continue;
+      const int R = m0 + warp * Tr::WARP_M + mt * 16 + g + hr * 8;
+      if (R >= num_rows) continue;
+      const int h = qrows.head(R);
       const float inv = rows.inv_sum[mt][hr];
-      const long long tok = row_base + i;
+      const long long tok = row_base + qrows.token(R);
       float* orow = oacc + (((long long)split * p.total_q + tok) * p.num_heads + h) * p.head_dim;
 #pragma unroll
       for (int nt = 0; nt < Tr::O_N_TILES; ++nt) {
@@ -355,8 +502,9 @@ __device__ __forceinline__ void store_partials(
 template <typename Tr>
 __device__ __forceinline__ void store_output(
     const FlashFwdParams& p, const typename WarpSoftmax<Tr>::Rows& rows,
-    const float (&o_acc)[Tr::M_TILES][Tr::O_N_TILES][4], u32 smem_q, int b, int h,
-    const SeqRange& qr, int m0, int warp, int lane, int g, int t4, int head_dim_chunks) {
+    const float (&o_acc)[Tr::M_TILES][Tr::O_N_TILES][4], u32 smem_q, int b,
+    const QueryRows<Tr::PACK_GQA>& qrows, int num_rows, const SeqRange& qr, int m0, int warp,
+    int lane, int g, int t4, int head_dim_chunks) {
   using T = typename Tr::T;
   constexpr int D_CHUNKS = Tr::D_CHUNKS;
   // The warp's last ldmatrix of Q read these rows (in the key loop, or before it when the
@@ -379,42 +527,48 @@ __device__ __forceinline__ void store_output(
   }
   __syncwarp();
   T* o_ptr = static_cast<T*>(p.out) + b * p.o_stride_batch +
-             (long long)qr.start * p.o_stride_row + h * p.o_stride_head;
+             (long long)qr.start * p.o_stride_row;
   const int row0 = warp * Tr::WARP_M;
 #pragma unroll (Tr::STORE_UNROLL)
   for (int it = 0; it < Tr::Q_LOADS_PER_LANE; ++it) {
     const int c = it * 32 + lane;
     const int r = row0 + c / D_CHUNKS, ch = c % D_CHUNKS;
-    const int i = m0 + r;
-    if (i < qr.len && ch < head_dim_chunks) {
+    const int R = m0 + r;
+    if (R < num_rows && ch < head_dim_chunks) {
       Vec16 v16;
       const u32 addr = smem_q + swizzled_offset<D_CHUNKS>(r, ch);
       asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
                    : "=r"(v16.raw.x), "=r"(v16.raw.y), "=r"(v16.raw.z), "=r"(v16.raw.w)
                    : "r"(addr));
-      store16(o_ptr + (long long)i * p.o_stride_row + ch * 8, v16);
+      store16(o_ptr + (long long)qrows.token(R) * p.o_stride_row +
+                  qrows.head(R) * p.o_stride_head + ch * 8,
+              v16);
     }
   }
   if (p.lse != nullptr && t4 == 0) {
     float* lse_ptr = static_cast<float*>(p.lse) + b * p.lse_stride_batch +
-                     h * p.lse_stride_head + (long long)qr.start * p.lse_stride_row;
+                     (long long)qr.start * p.lse_stride_row;
 #pragma unroll
     for (int mt = 0; mt < Tr::M_TILES; ++mt) {
 #pragma unroll
       for (int hr = 0; hr < 2; ++hr) {
-        const int i = m0 + warp * Tr::WARP_M + mt * 16 + g + hr * 8;
-        if (i < qr.len) lse_ptr[(long long)i * p.lse_stride_row] = rows.lse[mt][hr];
+        const int R = m0 + warp * Tr::WARP_M + mt * 16 + g + hr * 8;
+        if (R < num_rows) {
+          lse_ptr[(long long)qrows.token(R) * p.lse_stride_row +
+                  qrows.head(R) * p.lse_stride_head] = rows.lse[mt][hr];
+        }
       }
     }
   }
 }
 
 // Grid: (ceil(max_seqlen_q / BLOCK_M), num_heads, batch * num_splits), block: (NUM_WARPS * 32),
-// dynamic shared memory: Tr::SMEM_BYTES.
-// Block (x, h, z) computes query tile (gridDim.x - 1 - x) of head h, batch z / num_splits,
-// over the key tiles of split z % num_splits. SPLIT: writes normalised fp32 partial outputs
-// and their lse to oaccum / lseaccum (merged by flash_fwd_combine_kernel); otherwise writes
-// out (and lse).
+// dynamic shared memory: Tr::SMEM_BYTES. PACK_GQA: (ceil(max_seqlen_q * head_group /
+// BLOCK_M), num_heads / head_group, batch * num_splits).
+// Block (x, y, z) computes row tile (gridDim.x - 1 - x) of head y (PACK_GQA: of the query
+// heads of KV head y), batch z / num_splits, over the key tiles of split z % num_splits.
+// SPLIT: writes normalised fp32 partial outputs and their lse to oaccum / lseaccum (merged,
+// with the sinks, by flash_fwd_combine_kernel); otherwise writes out (and lse).
 template <typename Tr>
 __device__ void flash_fwd_kernel(const FlashFwdParams& p) {
   using T = typename Tr::T;
@@ -434,30 +588,42 @@ __device__ void flash_fwd_kernel(const FlashFwdParams& p) {
 
   // ---- Phase 0: which rows, which keys ---------------------------------------------------
   const int m_block = gridDim.x - 1 - blockIdx.x;   // longest causal tiles are scheduled first
-  const int h = blockIdx.y;
   const int b = Tr::SPLIT ? blockIdx.z / p.num_splits : blockIdx.z;
   const int split = Tr::SPLIT ? blockIdx.z % p.num_splits : 0;
+  const int kvh = Tr::PACK_GQA ? blockIdx.y : blockIdx.y / p.head_group;
+  const QueryRows<Tr::PACK_GQA> qrows{
+      Tr::PACK_GQA ? kvh * p.head_group : static_cast<int>(blockIdx.y),
+      Tr::PACK_GQA ? p.head_group : 1};
   const SeqRange qr = seq_range(p.cu_seqlens_q, b, p.seqlen_q);
-  const SeqRange kr = seq_range(p.cu_seqlens_k, b, p.seqlen_k);
+  SeqRange kr;
+  if constexpr (Tr::PAGED) {
+    const int used = static_cast<const int*>(p.seqused_k)[b];
+    kr = {0, min(max(used, 0), p.max_blocks_per_seq << p.block_shift)};
+  } else {
+    kr = seq_range(p.cu_seqlens_k, b, p.seqlen_k);
+  }
   const int sq = qr.len, sk = kr.len;
+  const int num_rows = sq * qrows.group;
   const int m0 = m_block * Tr::BLOCK_M;
-  if (m0 >= sq) return;
-  const int m_last = min(m0 + Tr::BLOCK_M, sq) - 1;     // last valid query row of the tile
+  if (m0 >= num_rows) return;
+  const int m_last = min(m0 + Tr::BLOCK_M, num_rows) - 1;   // last valid row of the tile
   const typename Tr::Mask mask(sq, sk, p.window_left, p.window_right);
-  const typename Tr::Logits logits_hook;
   const int head_dim_chunks = p.head_dim / 8;
-  const int kvh = h / p.head_group;
 
   const T* q_ptr = static_cast<const T*>(p.q) + b * p.q_stride_batch +
-                   (long long)qr.start * p.q_stride_row + h * p.q_stride_head;
-  const DenseKVSource<Tr> kv(
-      p,
-      static_cast<const T*>(p.k) + b * p.k_stride_batch + (long long)kr.start * p.k_stride_row +
-          kvh * p.k_stride_head,
-      static_cast<const T*>(p.v) + b * p.v_stride_batch + (long long)kr.start * p.v_stride_row +
-          kvh * p.v_stride_head,
-      sk, tid);
-  const KeyTiles tiles = key_tiles<Tr>(mask, m0, m_last, sk, split, p.num_splits);
+                   (long long)qr.start * p.q_stride_row;
+  const T* k_rows = static_cast<const T*>(p.k) + kvh * p.k_stride_head;
+  const T* v_rows = static_cast<const T*>(p.v) + kvh * p.v_stride_head;
+  const int* block_table = nullptr;
+  if constexpr (Tr::PAGED) {
+    block_table = static_cast<const int*>(p.block_tables) + b * p.bt_stride_seq;
+  } else {
+    k_rows += b * p.k_stride_batch + (long long)kr.start * p.k_stride_row;
+    v_rows += b * p.v_stride_batch + (long long)kr.start * p.v_stride_row;
+  }
+  const KVSource<Tr> kv(p, k_rows, v_rows, block_table, sk, tid);
+  const KeyTiles tiles = key_tiles<Tr>(mask, qrows.token(m0), qrows.token(m_last), sk, split,
+                                       p.num_splits);
   const int n_steps = tiles.n_steps;
   auto stage_base = [&](int n) { return smem_kv + (n % STAGES) * Tr::STAGE_BYTES; };
 
@@ -468,9 +634,11 @@ __device__ void flash_fwd_kernel(const FlashFwdParams& p) {
     for (int it = 0; it < Tr::Q_LOADS_PER_LANE; ++it) {
       const int c = it * 32 + lane;
       const int r = row0 + c / D_CHUNKS, ch = c % D_CHUNKS;
-      const int i = m0 + r;
-      const bool ok = i < sq && ch < head_dim_chunks;
-      const T* src = ok ? q_ptr + (long long)i * p.q_stride_row + ch * 8 : q_ptr;
+      const int R = m0 + r;
+      const bool ok = R < num_rows && ch < head_dim_chunks;
+      const T* src = ok ? q_ptr + (long long)qrows.token(R) * p.q_stride_row +
+                              qrows.head(R) * p.q_stride_head + ch * 8
+                        : q_ptr;
       cp_async_16(smem_q + swizzled_offset<D_CHUNKS>(r, ch), src, ok ? 16 : 0);
     }
     cp_async_commit();
@@ -520,6 +688,25 @@ __device__ void flash_fwd_kernel(const FlashFwdParams& p) {
     }
   }
   WarpSoftmax<Tr> softmax(p.scale_log2);
+  // This thread's rows (mt, hr): their tokens (the mask's row index; PACK_GQA: kept, one
+  // division each) and logits hooks.
+  auto row_of = [&](int mt, int hr) { return m0 + warp * Tr::WARP_M + mt * 16 + g + hr * 8; };
+  int packed_tok[M_TILES][2];
+  typename Tr::Logits hook[M_TILES][2];
+#pragma unroll
+  for (int mt = 0; mt < M_TILES; ++mt) {
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int R = row_of(mt, hr);
+      packed_tok[mt][hr] = qrows.token(R);
+      float slope = 0.f;
+      if constexpr (Tr::ALIBI) {
+        slope = static_cast<const float*>(p.alibi_slopes)[qrows.head(min(R, m_last))] *
+                p.softmax_scale_inv;
+      }
+      hook[mt][hr] = typename Tr::Logits(slope, p.softcap_in, p.softcap_out);
+    }
+  }
   // ldmatrix lane patterns. K (B of S = Q K^T, x4 = keys 0-7 / 8-15 x chunks 2s, 2s+1):
   // lane l reads key row (l % 8) + (l / 16) * 8, chunk 2 s + (l / 8) % 2.
   // V (.trans, B of P V, x4 = keys 0-7 / 8-15 x chunks 2s, 2s+1 of head dim):
@@ -528,6 +715,10 @@ __device__ void flash_fwd_kernel(const FlashFwdParams& p) {
   const int v_row = (lane % 8) + ((lane / 8) % 2) * 8;
   const SwizzledSteps<D_CHUNKS, (Tr::Q_SMEM >= 2)> k_steps(k_row, (lane / 8) % 2);
   const SwizzledSteps<D_CHUNKS, (Tr::Q_SMEM >= 2)> v_steps(v_row, lane / 16);
+  // V_BY_DIM ([dim][8-key chunk] tile, B of P V without .trans, x4 = dims 0-7 / 8-15 x key
+  // chunks 2kk, 2kk+1): lane l reads dim row (l % 8) + (l / 16) * 8, chunk 2 kk + (l / 8) % 2.
+  constexpr int VTC = Tr::V_BY_DIM ? Tr::VT_CHUNKS : 4;
+  const SwizzledSteps<VTC> vt_steps(k_row, (lane / 8) % 2);
 
   // ---- Phase 3: one key tile: S = Q K^T, (hook, mask), online softmax, O += P V ------------
   // With SEPARATE_MASK_LOOP, `masked` is a literal at each of the two call sites below and
@@ -552,7 +743,8 @@ __device__ void flash_fwd_kernel(const FlashFwdParams& p) {
     }
     const u32 sk_base = stage_base(n);
     const u32 k_lane = sk_base + k_row * D_CHUNKS * 16;
-    const u32 v_lane = sk_base + Tr::KV_TILE_BYTES + v_row * D_CHUNKS * 16;
+    const u32 v_lane = sk_base + Tr::KV_TILE_BYTES +
+                       (Tr::V_BY_DIM ? k_row * VTC : v_row * D_CHUNKS) * 16;
 
     // 3b. S = Q K^T: ldmatrix x4 gives the B fragments of two n8 tiles of keys
     float s[M_TILES][Tr::S_N_TILES][4];
@@ -594,9 +786,9 @@ __device__ void flash_fwd_kernel(const FlashFwdParams& p) {
         for (int nt = 0; nt < Tr::S_N_TILES; ++nt) {
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            const int i = m0 + warp * Tr::WARP_M + mt * 16 + g + (e / 2) * 8;
+            const int i = Tr::PACK_GQA ? packed_tok[mt][e / 2] : row_of(mt, e / 2);
             const int j = tile * Tr::BLOCK_N + nt * 8 + 2 * t4 + (e % 2);
-            if (Tr::Logits::ACTIVE) s[mt][nt][e] = logits_hook(s[mt][nt][e], i + mask.diag, j);
+            if (Tr::Logits::ACTIVE) s[mt][nt][e] = hook[mt][e / 2](s[mt][nt][e], i + mask.diag, j);
             if (masked && !mask.visible(i, j, sk)) s[mt][nt][e] = neg_inf();
           }
         }
@@ -629,7 +821,11 @@ __device__ void flash_fwd_kernel(const FlashFwdParams& p) {
 #pragma unroll
       for (int dp = 0; dp < Tr::O_N_TILES / 2; ++dp) {
         u32 vf[4];
-        ldmatrix_x4_trans(vf, v_lane + kk * 16 * D_CHUNKS * 16 + v_steps.at(dp));
+        if constexpr (Tr::V_BY_DIM) {
+          ldmatrix_x4(vf, v_lane + dp * 16 * VTC * 16 + vt_steps.at(kk));
+        } else {
+          ldmatrix_x4_trans(vf, v_lane + kk * 16 * D_CHUNKS * 16 + v_steps.at(dp));
+        }
 #pragma unroll
         for (int mt = 0; mt < M_TILES; ++mt) {
           mma_m16n8k16<T>(o_acc[mt][2 * dp], pf[mt], vf[0], vf[1]);
@@ -650,21 +846,36 @@ __device__ void flash_fwd_kernel(const FlashFwdParams& p) {
   cp_async_wait<0>();   // nothing may still be writing shared memory when the block exits
 
   // ---- Phase 4: whole rows, then the epilogue -------------------------------------------------
-  const auto rows = softmax.finish();
+  // The sinks join the rows here, or (SPLIT) once, in the combine.
+  constexpr bool FINISH_SINKS = Tr::SINKS && !Tr::SPLIT;
+  float sink[M_TILES][2];
+#pragma unroll
+  for (int mt = 0; mt < M_TILES; ++mt) {
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int R = min(m0 + warp * Tr::WARP_M + mt * 16 + g + hr * 8, m_last);
+      sink[mt][hr] = FINISH_SINKS
+                         ? static_cast<const float*>(p.sinks)[qrows.head(R)] * p.softmax_scale_inv
+                         : 0.f;
+    }
+  }
+  const auto rows = softmax.template finish<FINISH_SINKS>(sink);
   if constexpr (Tr::SPLIT) {
-    store_partials<Tr>(p, rows, o_acc, b, h, split, qr, m0, warp, g, t4, head_dim_chunks);
+    store_partials<Tr>(p, rows, o_acc, b, qrows, num_rows, split, qr, m0, warp, g, t4,
+                       head_dim_chunks);
   } else {
-    store_output<Tr>(p, rows, o_acc, smem_q, b, h, qr, m0, warp, lane, g, t4,
+    store_output<Tr>(p, rows, o_acc, smem_q, b, qrows, num_rows, qr, m0, warp, lane, g, t4,
                      head_dim_chunks);
   }
 }
 
 // The split-KV combine's knobs: one warp per (token, head) row, NUM_THREADS per block.
-template <typename T_, int HEAD_DIM_, int NUM_THREADS_>
+template <typename T_, int HEAD_DIM_, int NUM_THREADS_, bool SINKS_>
 struct FlashCombineTraits {
   using T = T_;
   static constexpr int HEAD_DIM = HEAD_DIM_;
   static constexpr int NUM_THREADS = NUM_THREADS_;
+  static constexpr bool SINKS = SINKS_;   // each head's sink joins the merged state, once
   static constexpr int ROWS_PER_BLOCK = NUM_THREADS / 32;
   static constexpr int PASSES = (HEAD_DIM + 127) / 128;   // 4 columns per lane per pass
   static_assert(NUM_THREADS % 32 == 0, "whole warps");
@@ -687,12 +898,15 @@ __device__ void flash_fwd_combine_kernel(const FlashFwdParams& p) {
   const float* lacc = static_cast<const float*>(p.lseaccum);
   const float* oacc = static_cast<const float*>(p.oaccum);
 
-  // Phase 1: the largest partial lse.
+  // Phase 1: the largest partial lse (and sink: a state {sink, 1} of no value).
   SoftmaxState st = SoftmaxState::empty();
+  const float sink = Tr::SINKS ? static_cast<const float*>(p.sinks)[h] : 0.f;
+  if (Tr::SINKS) st.max = sink;
   for (int s = 0; s < p.num_splits; ++s) {
     st.max = fmaxf(st.max, lacc[((long long)s * p.num_heads + h) * p.total_q + tok]);
   }
   const float base = SoftmaxState::base(st.max, kLog2e);
+  if (Tr::SINKS) st.sum = SoftmaxState::weight(sink, kLog2e, base);
   // Phase 2: weighted sum, 4 columns per lane per pass.
   float acc[Tr::PASSES][4];
 #pragma unroll

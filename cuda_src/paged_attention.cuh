@@ -41,12 +41,16 @@ __device__ __forceinline__ void unpack_raw(const RawVec<BYTES>& v, float (&out)[
 
 // Every knob of the CUDA-core form (cuattn.variants.PagedSimtVariant) and every size derived
 // from them.
+// SOFTCAP, ALIBI: the logits hook; SINKS: each head's sink joins v1's denominator (v2: the
+// reduce's).
 template <typename T_, typename CACHE_T_, int HEAD_SIZE_, int BLOCK_SIZE_, int GROUP_,
-          int PARTITION_SIZE_, bool ALIBI_, int NUM_THREADS_>
+          int PARTITION_SIZE_, bool ALIBI_, int NUM_THREADS_, bool SOFTCAP_, bool SINKS_>
 struct PagedSimtTraits {
   using T = T_;
   using CACHE_T = CACHE_T_;
-  using Logits = typename AlibiOrNone<ALIBI_>::type;     // the logits hook
+  using Logits = LogitsHook<SOFTCAP_, ALIBI_>;           // the logits hook
+  static constexpr bool ALIBI = ALIBI_;
+  static constexpr bool SINKS = SINKS_;
   static constexpr int HEAD_SIZE = HEAD_SIZE_;
   static constexpr int BLOCK_SIZE = BLOCK_SIZE_;
   static constexpr int GROUP = GROUP_;                   // query heads per thread block
@@ -119,6 +123,7 @@ __device__ void paged_attention_kernel(const PagedParams& p) {
   __shared__ float inv_sum_s[GROUP];   // v_scale / sum
   __shared__ SoftmaxState state_s[GROUP];
   __shared__ float slope_s[GROUP];     // ALiBi slopes x log2(e)
+  __shared__ float sink_s[GROUP];      // sinks x log2(e)
   extern __shared__ __align__(16) float logits[];           // [GROUP][logits_stride]
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
@@ -131,13 +136,20 @@ __device__ void paged_attention_kernel(const PagedParams& p) {
 
   const PagedRange range = paged_range<BLOCK_SIZE, Tr::PARTITION_SIZE>(p, seq, part);
   if (V2 && range.start >= range.seq_len) return;   // the reduce never reads this partition
-  if (!V2 && range.seq_len == 0) {                  // empty sequence: zeros, lse = -inf
+  // The window's first key: blocks start at the one that holds it, the select below masks
+  // the keys before it.
+  const int win_start = max(0, range.seq_len - 1 - p.window_left);
+  const int start_tok = max(range.start, win_start);
+  const int end_tok = range.end;
+  if (start_tok >= end_tok) {   // an empty sequence (v1), or a partition before the window
     for (int i = tid; i < GROUP * HEAD_SIZE; i += NUM_THREADS) output.store(i / HEAD_SIZE, i % HEAD_SIZE, 0.f);
-    if (tid < GROUP) output.store_lse(tid, neg_inf());
+    if (tid < GROUP) {
+      const float sink = Tr::SINKS && !V2 ? static_cast<const float*>(p.sinks)[head0 + tid] : 0.f;
+      output.store_lse(tid, Tr::SINKS && !V2 ? sink : neg_inf());   // v1 with a sink: lse = sink
+    }
     return;
   }
-  const int end_tok = range.end;
-  const int start_blk = range.start / BLOCK_SIZE;
+  const int start_blk = start_tok / BLOCK_SIZE;
   const int num_blks = (end_tok + BLOCK_SIZE - 1) / BLOCK_SIZE - start_blk;
   const int* block_table = static_cast<const int*>(p.block_tables) + seq * p.bt_stride_seq + start_blk;
 
@@ -145,8 +157,11 @@ __device__ void paged_attention_kernel(const PagedParams& p) {
   const T* q = static_cast<const T*>(p.q) + seq * p.q_stride_seq;
   for (int i = tid; i < GROUP * HEAD_SIZE; i += NUM_THREADS)
     q_s[i] = to_float(q[(head0 + i / HEAD_SIZE) * p.q_stride_head + i % HEAD_SIZE]) * p.scale_log2;
-  if (Tr::Logits::ACTIVE && tid < GROUP) {
+  if (Tr::ALIBI && tid < GROUP) {
     slope_s[tid] = static_cast<const float*>(p.alibi_slopes)[head0 + tid] * kLog2e;
+  }
+  if (Tr::SINKS && !V2 && tid < GROUP) {
+    sink_s[tid] = static_cast<const float*>(p.sinks)[head0 + tid] * kLog2e;
   }
   __syncthreads();
 
@@ -212,8 +227,12 @@ __device__ void paged_attention_kernel(const PagedParams& p) {
 #pragma unroll
         for (int h = 0; h < GROUP; ++h) {
           float l = acc[u][h];
-          if (Tr::Logits::ACTIVE) l = typename Tr::Logits(slope_s[h])(l, range.seq_len - 1, t);
-          l = t < end_tok ? l : neg_inf();                      // a select: NaN K stays out
+          if (Tr::Logits::ACTIVE) {
+            l = typename Tr::Logits(Tr::ALIBI ? slope_s[h] : 0.f, p.softcap_in,
+                                    p.softcap_out)(l, range.seq_len - 1, t);
+          }
+          // a select: NaN K, and keys before the window, stay out
+          l = t < end_tok && t >= win_start ? l : neg_inf();
           logits[h * LS + b * BLOCK_SIZE + k_tok] = l;
           qk_max[h] = fmaxf(qk_max[h], l);
         }
@@ -260,8 +279,15 @@ __device__ void paged_attention_kernel(const PagedParams& p) {
 #pragma unroll
     for (int h = 1; h < GROUP; ++h) st.max = tid == h ? row_max[h] : st.max;
     for (int w = 0; w < NUM_WARPS; ++w) st.sum += red_s[w * GROUP + tid];
+    float alpha = 1.f;
+    if constexpr (Tr::SINKS && !V2) {   // a state {sink, 1} of no value (v2: in the reduce)
+      const float m = fmaxf(st.max, sink_s[tid]);
+      const float b = SoftmaxState::base<false>(m, 1.f);
+      alpha = st.rescale(m, 1.f, b);
+      st.sum += SoftmaxState::weight(sink_s[tid], 1.f, b);
+    }
     state_s[tid] = st;
-    inv_sum_s[tid] = p.v_scale * st.inv_sum();
+    inv_sum_s[tid] = p.v_scale * alpha * st.inv_sum();
   }
 
   // ---- out = P . V -------------------------------------------------------------------------

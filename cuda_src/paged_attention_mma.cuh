@@ -28,11 +28,16 @@ namespace cuattn {
 // Every knob of the tensor-core form (cuattn.variants.PagedMmaVariant) and every size derived
 // from them. A warp step is TILE = 16 tokens (one m16 tile; 32-token tiles lost 3-20 points
 // of read bandwidth at v2, bench/NOTES.md paged round 3).
+//   SOFTCAP, ALIBI: the logits hook; SINKS: each head's sink joins v1's denominator (v2:
+//   the reduce's); NHD: the NHD cache layout (params/paged.cuh), any power-of-two block.
 template <typename T_, int HEAD_SIZE_, int BLOCK_SIZE_, int GROUP_, int PARTITION_SIZE_,
-          bool ALIBI_, int NUM_WARPS_, int STAGES_>
+          bool ALIBI_, int NUM_WARPS_, int STAGES_, bool SOFTCAP_, bool SINKS_, bool NHD_>
 struct PagedMmaTraits {
   using T = T_;
-  using Logits = typename AlibiOrNone<ALIBI_>::type;     // the logits hook
+  using Logits = LogitsHook<SOFTCAP_, ALIBI_>;           // the logits hook
+  static constexpr bool ALIBI = ALIBI_;
+  static constexpr bool SINKS = SINKS_;
+  static constexpr bool NHD = NHD_;
   static constexpr int HEAD_SIZE = HEAD_SIZE_;
   static constexpr int BLOCK_SIZE = BLOCK_SIZE_;
   static constexpr int GROUP = GROUP_;                   // query heads: the N columns, <= 8
@@ -44,7 +49,8 @@ struct PagedMmaTraits {
   static_assert(HEAD_SIZE % 16 == 0, "k16 / m16 steps over the head dims");
   static_assert(GROUP >= 1 && GROUP <= 8, "one n8 tile of query heads");
   static_assert(!V2 || PARTITION_SIZE % TILE == 0, "partitions of whole tiles");
-  static_assert(BLOCK_SIZE % 8 == 0, "a V chunk (8 tokens) never crosses a cache block");
+  static_assert(NHD || BLOCK_SIZE % 8 == 0, "a V chunk (8 tokens) never crosses a cache block");
+  static_assert((BLOCK_SIZE & (BLOCK_SIZE - 1)) == 0 && BLOCK_SIZE <= 256, "block size");
   static constexpr int MT = TILE / 16;                    // token m-tiles (S^T) = PV k-steps
   static constexpr int KS = HEAD_SIZE / 16;               // QK k-steps = PV dim m-tiles
   static constexpr int CHUNKS = HEAD_SIZE * TILE / 8;     // 16-byte chunks of K (and of V) per tile
@@ -62,6 +68,7 @@ struct PagedMmaTraits {
 
 // V tile [dim][VCH chunks of 8 tokens], chunk index XOR-swizzled by dim so that ldmatrix's 8
 // rows (8 dims of one chunk column) and cp.async's 8 consecutive chunks hit 8 bank groups.
+// (NHD: V tiles are laid out like K tiles, [dim chunk][token], and read with .trans.)
 template <int VCH>
 __device__ __forceinline__ u32 v_chunk_offset(int dim, int chunk) {
   return static_cast<u32>((dim * VCH + (chunk ^ ((dim / (8 / VCH)) % VCH))) * 16);
@@ -90,7 +97,10 @@ __device__ void paged_attention_mma_kernel(const PagedParams& p) {
 
   const PagedRange range = paged_range<BLOCK_SIZE, Tr::PARTITION_SIZE>(p, seq, part);
   if (V2 && range.start >= range.seq_len) return;   // the reduce never reads this partition
-  const int start_tok = range.start, end_tok = range.end;
+  // The window's first key; tiles start at a multiple of TILE below it (V chunks are 8
+  // tokens of one block) and the select below masks the keys before it.
+  const int win_start = max(0, range.seq_len - 1 - p.window_left);
+  const int start_tok = max(range.start, win_start / TILE * TILE), end_tok = range.end;
   const int num_tiles = (end_tok - start_tok + TILE - 1) / TILE;
   const int my_tiles = num_tiles > warp ? (num_tiles - warp + NUM_WARPS - 1) / NUM_WARPS : 0;
   const int* block_table = static_cast<const int*>(p.block_tables) + seq * p.bt_stride_seq;
@@ -112,12 +122,13 @@ __device__ void paged_attention_mma_kernel(const PagedParams& p) {
   }
   // The logits hooks of this lane's two head columns (2t, 2t+1); ALiBi slopes in log2 units.
   using Logits = typename Tr::Logits;
-  Logits hook[2] = {Logits(0.f), Logits(0.f)};
-  if (Logits::ACTIVE) {
+  Logits hook[2] = {Logits(0.f, p.softcap_in, p.softcap_out),
+                     Logits(0.f, p.softcap_in, p.softcap_out)};
+  if constexpr (Tr::ALIBI) {
 #pragma unroll
     for (int j = 0; j < 2; ++j)
       if (2 * t + j < GROUP)
-        hook[j] = Logits(static_cast<const float*>(p.alibi_slopes)[head0 + 2 * t + j] * kLog2e);
+        hook[j].slope = static_cast<const float*>(p.alibi_slopes)[head0 + 2 * t + j] * kLog2e;
   }
 
   // ---- the warp's cp.async ring: tile n of this warp lands in stage n % STAGES ------------
@@ -141,7 +152,12 @@ __device__ void paged_attention_mma_kernel(const PagedParams& p) {
     r.k_tok = t0 + k_tok;
     r.v_tok = t0 + 8 * v_col;
     r.k_phys = n < my_tiles && r.k_tok < end_tok ? __ldg(block_table + r.k_tok / BLOCK_SIZE) : -1;
-    r.v_phys = n < my_tiles && r.v_tok < end_tok ? __ldg(block_table + r.v_tok / BLOCK_SIZE) : -1;
+    if constexpr (Tr::NHD) {   // V chunks are K's: the same token
+      r.v_tok = r.k_tok;
+      r.v_phys = r.k_phys;
+    } else {
+      r.v_phys = n < my_tiles && r.v_tok < end_tok ? __ldg(block_table + r.v_tok / BLOCK_SIZE) : -1;
+    }
     return r;
   };
   TileSrc next = lookup(0);
@@ -154,19 +170,25 @@ __device__ void paged_attention_mma_kernel(const PagedParams& p) {
       const T* k_src = k_ok ? k_head + (long long)next.k_phys * p.k_stride_block +
                                   (next.k_tok % BLOCK_SIZE) * p.k_stride_token
                             : k_base;
-      const T* v_src = v_ok ? v_head + (long long)next.v_phys * p.v_stride_block +
-                                  next.v_tok % BLOCK_SIZE
-                            : v_base;
+      const T* v_src = !v_ok ? v_base
+                       : Tr::NHD ? v_head + (long long)next.v_phys * p.v_stride_block +
+                                       (next.v_tok % BLOCK_SIZE) * p.v_stride_token
+                                 : v_head + (long long)next.v_phys * p.v_stride_block +
+                                       next.v_tok % BLOCK_SIZE;
       // V: zero-fill the tokens past the range, so that P = 0 never meets a NaN.
-      const int v_bytes = v_ok ? 2 * min(8, end_tok - next.v_tok) : 0;
+      const int v_bytes = !v_ok ? 0 : Tr::NHD ? 16 : 2 * min(8, end_tok - next.v_tok);
 #pragma unroll
       for (int j = 0; j < CPL; ++j) {
         const int i = lane + 32 * j;
         cp_async_16(k_dst + i * 16, k_src + (k_ok ? (i / TILE) * p.k_stride_x : 0),
                     k_ok ? 16 : 0, policy);
-        const int d = i / VCH;
-        cp_async_16(v_dst + v_chunk_offset<VCH>(d, v_col),
-                    v_src + (v_ok ? d * p.v_stride_dim : 0), v_bytes, policy);
+        if constexpr (Tr::NHD) {   // chunk i = (dim chunk i / TILE, token i % TILE), as K
+          cp_async_16(v_dst + i * 16, v_src + (v_ok ? (i / TILE) * 8 : 0), v_bytes, policy);
+        } else {
+          const int d = i / VCH;
+          cp_async_16(v_dst + v_chunk_offset<VCH>(d, v_col),
+                      v_src + (v_ok ? d * p.v_stride_dim : 0), v_bytes, policy);
+        }
       }
       next = lookup(n + 1);   // overlaps the math of this step
     }
@@ -215,7 +237,8 @@ __device__ void paged_attention_mma_kernel(const PagedParams& p) {
         const int tok = t0 + 16 * mt + g + 8 * (r / 2);
         float x = s[mt][r] * p.scale_log2;
         if (Logits::ACTIVE) x = hook[r % 2](x, range.seq_len - 1, tok);
-        x = tok < end_tok ? x : neg_inf();    // a select: a zero-filled K row stays out
+        // a select: a zero-filled K row, and keys before the window, stay out
+        x = tok < end_tok && tok >= win_start ? x : neg_inf();
         s[mt][r] = x;
         tile_max[r % 2] = fmaxf(tile_max[r % 2], x);
       }
@@ -258,13 +281,20 @@ __device__ void paged_attention_mma_kernel(const PagedParams& p) {
       }
     }
     // O^T += V^T P^T. ldmatrix x4: matrix q is (dims +8 (q & 1), token chunk +(q >> 1)).
+    // NHD (.trans of [dim chunk][token] rows): matrix q is (dim chunk +(q & 1), tokens
+    // +8 (q >> 1)).
     const int v_dim = (lane % 8) + 8 * ((lane / 8) & 1);
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
       for (int m = 0; m < KS; ++m) {
         u32 a[4];
-        ldmatrix_x4(a, v_tile + v_chunk_offset<VCH>(16 * m + v_dim, 2 * mt + lane / 16));
+        if constexpr (Tr::NHD) {
+          const int chunk = 2 * m + ((lane / 8) & 1);
+          ldmatrix_x4_trans(a, v_tile + (chunk * TILE + 16 * mt + 8 * (lane / 16) + lane % 8) * 16);
+        } else {
+          ldmatrix_x4(a, v_tile + v_chunk_offset<VCH>(16 * m + v_dim, 2 * mt + lane / 16));
+        }
 #pragma unroll
         for (int k = 0; k < NP; ++k) mma_m16n8k16<T>(o[m], a, pb[mt][k][0], pb[mt][k][1]);
       }
@@ -316,6 +346,13 @@ __device__ void paged_attention_mma_kernel(const PagedParams& p) {
     for (int w = 0; w < NUM_WARPS; ++w) {
       block.sum = fmaf(state_s[w][h].sum, SoftmaxState::weight(state_s[w][h].max, 1.f, b), block.sum);
       acc += merge[(w * 8 + h) * Tr::MERGE_ROW + d];
+    }
+    if constexpr (Tr::SINKS && !V2) {   // a state {sink, 1} of no value (v2: in the reduce)
+      const float sink = static_cast<const float*>(p.sinks)[head0 + h] * kLog2e;
+      const float m = fmaxf(block.max, sink);
+      const float bs = SoftmaxState::base(m, 1.f);
+      acc *= block.rescale(m, 1.f, bs);
+      block.sum += SoftmaxState::weight(sink, 1.f, bs);
     }
     output.store(h, d, acc * block.inv_sum());   // an empty sequence (v1) gives zeros
     if (d == 0) output.store_lse(h, block.lse(1.f));

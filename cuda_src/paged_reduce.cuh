@@ -9,11 +9,12 @@ namespace cuattn {
 
 // The reduce's knobs: one thread per 4 dims, in whole warps (DIM_THREADS), times GROUPS
 // thread groups, NUM_THREADS in all.
-template <typename T_, int HEAD_SIZE_, int NUM_THREADS_>
+template <typename T_, int HEAD_SIZE_, int NUM_THREADS_, bool SINKS_>
 struct PagedReduceTraits {
   using T = T_;
   static constexpr int HEAD_SIZE = HEAD_SIZE_;
   static constexpr int NUM_THREADS = NUM_THREADS_;
+  static constexpr bool SINKS = SINKS_;   // each head's sink joins the merged state, once
   static constexpr int DIM_THREADS = (HEAD_SIZE / 4 + 31) / 32 * 32;
   static constexpr int GROUPS = NUM_THREADS / DIM_THREADS;
   static constexpr int CHUNK = 8;   // partitions per thread whose loads are in flight together
@@ -85,7 +86,7 @@ __device__ void paged_attention_reduce_kernel(const PagedReduceParams& p) {
     }
   }
 
-  // ---- merge the groups (each group's threads hold the same state) ------------------------
+  // ---- merge the groups (each group's threads hold the same state), and the sink ----------
   if (GROUPS > 1) {
     acc_s[group][dt] = acc;
     if (dt == 0) state_s[group] = st;
@@ -105,6 +106,14 @@ __device__ void paged_attention_reduce_kernel(const PagedReduceParams& p) {
       acc.x = fmaf(w, a.x, acc.x); acc.y = fmaf(w, a.y, acc.y);
       acc.z = fmaf(w, a.z, acc.z); acc.w = fmaf(w, a.w, acc.w);
     }
+  }
+  if constexpr (Tr::SINKS) {   // a state {sink, 1} of no value (natural-log units)
+    const float sink = static_cast<const float*>(p.sinks)[head];
+    const float m = fmaxf(st.max, sink);
+    const float b = SoftmaxState::base(m, kLog2e);
+    const float alpha = st.rescale(m, kLog2e, b);
+    st.sum += SoftmaxState::weight(sink, kLog2e, b);
+    acc.x *= alpha; acc.y *= alpha; acc.z *= alpha; acc.w *= alpha;
   }
   const float inv = st.inv_sum();
   if (has_dims) {

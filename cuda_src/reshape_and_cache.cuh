@@ -1,6 +1,7 @@
 // reshape_and_cache: scatter new tokens' keys and values into the paged KV cache at
-// slot = physical_block * block_size + offset, in vLLM's layouts (x-major K, dim-major V);
-// negative slots are skipped, fp8 e4m3 caches store round-to-nearest(value / scale).
+// slot = physical_block * block_size + offset, in vLLM's layouts (x-major K, dim-major V) or
+// the NHD layout (params/reshape_and_cache.cuh); negative slots are skipped, fp8 e4m3 caches
+// store round-to-nearest(value / scale).
 #pragma once
 #include "common/types.cuh"
 #include "params/reshape_and_cache.cuh"
@@ -23,7 +24,8 @@ struct ReshapeCacheTraits {
 };
 
 // Grid: (num_tokens), block: (NUM_THREADS). Each thread moves whole x-vectors (X elements of
-// one head, 16 bytes of the cache): one 16-byte store into K, X strided element stores into V.
+// one head, 16 bytes of the cache): one 16-byte store into K, and into V X strided element
+// stores (vLLM) or one 16-byte store (NHD, v_stride_dim = 1).
 template <typename Tr>
 __device__ void reshape_and_cache_kernel(const ReshapeCacheParams& p) {
   using T = typename Tr::T;
@@ -48,13 +50,17 @@ __device__ void reshape_and_cache_kernel(const ReshapeCacheParams& p) {
     CACHE_T* k_dst = k_cache + block * p.k_stride_block + head * p.k_stride_head + g * p.k_stride_x +
                      offset * p.k_stride_token;
     CACHE_T* v_dst = v_cache + block * p.v_stride_block + head * p.v_stride_head +
-                     (long long)g * X * p.v_stride_dim + offset;
+                     (long long)g * X * p.v_stride_dim + offset * p.v_stride_token;
     if constexpr (SAME) {
       const Vec16 kv = load16(k_src), vv = load16(v_src);
       store16(k_dst, kv);
-      const CACHE_T* ve = reinterpret_cast<const CACHE_T*>(&vv);
+      if (p.v_stride_dim == 1) {
+        store16(v_dst, vv);
+      } else {
+        const CACHE_T* ve = reinterpret_cast<const CACHE_T*>(&vv);
 #pragma unroll
-      for (int e = 0; e < X; ++e) v_dst[e * p.v_stride_dim] = ve[e];
+        for (int e = 0; e < X; ++e) v_dst[e * p.v_stride_dim] = ve[e];
+      }
     } else {
       // 16-bit input -> fp8: X = 16 elements, two 16-byte input vectors per cache vector.
       constexpr int IN = ElemsPer16B<T>::value;

@@ -6,6 +6,7 @@
 #                                               made by scripts/ab_prepare.sh), then the host-
 #                                               cost and cold-start suites
 #   scripts/device_session.sh OUTDIR peers      the flash suite (cuattn, FA2, cuDNN; both methods)
+#   scripts/device_session.sh OUTDIR prefill    the prefill suite, then bench/lab/prefill_sweep.py
 #   scripts/device_session.sh OUTDIR sanitize   scripts/sanitize.sh (TOOLS=... to pick)
 # Several stages in one call: scripts/device_session.sh OUTDIR tests fuzz. Each stage runs
 # under its own time limit (<STAGE>_TIMEOUT seconds) so that a call returns its logs.
@@ -47,6 +48,10 @@ for stage in "$@"; do
       run cold 90 python3 bench/cold_start.py ;;
     peers)
       run peers "${PEERS_TIMEOUT:-240}" python3 bench/run.py --suite flash --json "$out/peers.json" ;;
+    prefill)
+      run prefill "${PREFILL_TIMEOUT:-300}" python3 bench/run.py --suite prefill \
+          --json "$out/prefill.json"
+      run sweep "${SWEEP_TIMEOUT:-240}" python3 bench/lab/prefill_sweep.py ;;
     sanitize)
       run sanitize "${SANITIZE_TIMEOUT_ALL:-540}" bash scripts/sanitize.sh "$out" ;;
     *)

@@ -24,3 +24,68 @@ def merge_reference(outs: np.ndarray, lses: np.ndarray):
 def tolerance(kernel_err_ref_precision: float, floor: float) -> float:
     """FlashAttention's rule: 2x the error of the same math in the input precision + floor."""
     return 2.0 * kernel_err_ref_precision + floor
+
+
+def check_attention(out, lse, ref, ref_lse, dtype, lse_rtol=1e-4):
+    """A kernel's out (and lse, unless None; CuPy arrays) against float64 references: out by
+    FlashAttention's rule (2x the error of the reference rounded to ``dtype``, a NumPy
+    dtype), no NaN/inf anywhere, -inf lse exactly where the reference has it."""
+    got = out.get().astype(np.float64)
+    assert np.isfinite(got).all(), "NaN/inf in out (unwritten, or a NaN slot was read)"
+    lowp = ref.astype(dtype).astype(np.float64)
+    err = np.abs(got - ref).max(initial=0)
+    tol = tolerance(np.abs(lowp - ref).max(initial=0), 1e-3)
+    assert err <= tol, f"max error {err} > {tol}"
+    if lse is None:
+        return
+    got_lse = lse.get().astype(np.float64)
+    assert not np.isnan(got_lse).any()
+    assert np.array_equal(np.isneginf(got_lse), np.isneginf(ref_lse))
+    fin = np.isfinite(ref_lse)
+    assert np.allclose(got_lse[fin], ref_lse[fin], rtol=lse_rtol, atol=1e-3)
+
+
+def attention_reference(q, k, v, scale, *, causal=False, window=(-1, -1), softcap=0.0,
+                        alibi=None, sinks=None):
+    """Float64 attention of one sequence, every option of the attention functions.
+
+    q (sq, H, D), k / v (sk, Hkv, D). Query i sits at position i + sk - sq (bottom-right);
+    a scaled score s becomes softcap * tanh(s / softcap) (softcap > 0), then
+    s - slope_h * |i + sk - sq - j| (alibi (H,)); causal keeps j <= i + sk - sq, window
+    (left, right) keeps i + sk - sq - left <= j <= i + sk - sq + right (-1: unbounded);
+    sinks (H,) join each head's denominator. Returns out (sq, H, D) and lse (H, sq): a row
+    that sees no key gives zeros and -inf (with a sink: zeros and the sink).
+    """
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    sq, nheads, _ = q.shape
+    sk, nkv, _ = k.shape
+    group = nheads // nkv
+    pos = np.arange(sq)[:, None] + sk - sq                 # (sq, 1) query positions
+    j = np.arange(sk)[None, :]
+    left, right = window
+    if causal:
+        right = 0
+    visible = np.ones((sq, sk), bool)
+    if right >= 0:
+        visible &= j <= pos + right
+    if left >= 0:
+        visible &= j >= pos - left
+    out = np.zeros(q.shape)
+    lse = np.full((nheads, sq), -np.inf)
+    for h in range(nheads):
+        s = scale * (q[:, h] @ k[:, h // group].T)         # (sq, sk)
+        if softcap > 0:
+            s = softcap * np.tanh(s / softcap)
+        if alibi is not None:
+            s = s - float(alibi[h]) * np.abs(pos - j)
+        s = np.where(visible, s, -np.inf)
+        m = s.max(axis=1, initial=-np.inf)
+        if sinks is not None:
+            m = np.maximum(m, float(sinks[h]))
+        safe = np.where(np.isinf(m), 0.0, m)
+        p = np.exp(s - safe[:, None])
+        denom = p.sum(axis=1) + (np.exp(float(sinks[h]) - safe) if sinks is not None else 0.0)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            out[:, h] = np.where(denom[:, None] > 0, (p @ v[:, h // group]) / denom[:, None], 0.0)
+            lse[h] = np.where(denom > 0, safe + np.log(denom), -np.inf)
+    return out, lse

@@ -133,6 +133,51 @@ def reshape_kwargs(mk):
                 slot_mapping=mk.array(np.array([0, 17, 40], np.int32)))
 
 
+def prefill_kwargs(mk):
+    return dict(q=_randn(mk, (6, 4, 128), BF16), k_cache=_randn(mk, KSHAPE, BF16),
+                v_cache=_randn(mk, VSHAPE, BF16),
+                block_tables=mk.array(np.array([[0, 1], [2, 3]], np.int32)),
+                seq_lens=mk.array(np.array([20, 5], np.int32)),
+                cu_seqlens_q=mk.array(np.array([0, 4, 6], np.int32)), max_seqlen_q=4)
+
+
+NHD_SHAPE = cuattn.paged_kv_cache_shapes(4, 2, 128, 16, BF16, kv_layout="nhd")[0]
+
+
+def nhd(**more):
+    """prefill_kwargs with NHD caches (and ``more``)."""
+    return lambda kw, mk: {**kw, "kv_layout": "nhd", "k_cache": mk.zeros(NHD_SHAPE, BF16),
+                           "v_cache": mk.zeros(NHD_SHAPE, BF16),
+                           **{n: (b(mk) if callable(b) else b) for n, b in more.items()}}
+
+
+def hook_rows(nheads, vectors=("alibi_slopes", "sinks")):
+    """Rows of softcap and ``vectors`` for a function with ``nheads`` query heads."""
+    rows = [("softcap-negative", put(softcap=-1.0), ValueError, "softcap"),
+            ("softcap-nan", put(softcap=NAN), ValueError, "softcap"),
+            ("softcap-inf", put(softcap=INF), ValueError, "softcap"),
+            ("softcap-str", put(softcap="30"), TypeError, "softcap"),
+            ("softcap-bool", put(softcap=True), TypeError, "softcap"),
+            ("softcap-None", put(softcap=None), TypeError, "softcap")]
+    for name in vectors:
+        rows += [(f"{name}-numpy", put(**{name: np.zeros(nheads, np.float32)}), TypeError, name),
+                 (f"{name}-list", put(**{name: [0.0] * nheads}), TypeError, name),
+                 (f"{name}-f16", new(name, shape=(nheads,), dtype=F16), TypeError, name),
+                 (f"{name}-float64", new(name, shape=(nheads,), dtype=np.float64), TypeError,
+                  name),
+                 (f"{name}-length", new(name, shape=(nheads + 1,), dtype=np.float32),
+                  ValueError, name),
+                 (f"{name}-rank2", new(name, shape=(nheads, 1), dtype=np.float32), ValueError,
+                  name),
+                 (f"{name}-strided", new(name, shape=(nheads,), dtype=np.float32,
+                                         strided=True), ValueError, name),
+                 (f"{name}-misaligned", new(name, shape=(nheads,), dtype=np.float32, offset=2),
+                  ValueError, name),
+                 (f"{name}-other-device", new(name, shape=(nheads,), dtype=np.float32,
+                                              device=1), ValueError, name, TWO_GPUS)]
+    return rows
+
+
 def shapes_kwargs(mk):
     return dict(num_blocks=4, nheads_kv=2, head_size=128, block_size=16, dtype=BF16)
 
@@ -213,6 +258,8 @@ ROWS += table(
     cuattn.flash_forward, flash_kwargs,
     # wrong types
     *types("q", "k", "v"),
+    # hooks: softcap >= 0, alibi_slopes / sinks float32 (nheads,)
+    *hook_rows(2),
     ("q-scalar", put(q=1.0), TypeError, "q"),
     ("q-host-dlpack", put(q=_HostDLPack()), TypeError, "q"),
     # dtypes: q float16 / bfloat16, k and v like q
@@ -283,6 +330,7 @@ ROWS += table(
     cuattn.flash_varlen_forward, varlen_kwargs,
     # wrong types
     *types("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k"),
+    *hook_rows(2),
     # q, k, v: as flash_forward, one rank less
     ("q-float32", new("q", dtype=np.float32), TypeError, "q"),
     ("v-bf16", new("v", dtype=BF16), TypeError, "v"),
@@ -437,6 +485,21 @@ ROWS += table(
     cuattn.paged_attention, paged_kwargs,
     # wrong types
     *types("q", "k_cache", "v_cache", "block_tables", "seq_lens"),
+    # hooks, windows, layouts
+    *hook_rows(4, vectors=("sinks",)),
+    ("window_size-one", put(window_size=(3,)), TypeError, "window_size"),
+    ("window_size-float", put(window_size=(3.0, 0)), TypeError, "window_size"),
+    ("window_size--2", put(window_size=(-2, 0)), ValueError, "window_size"),
+    ("kv_layout-hnd", put(kv_layout="hnd"), ValueError, "kv_layout"),
+    ("nhd-with-vllm-caches", put(kv_layout="nhd"), ValueError, "k_cache"),
+    ("nhd-fp8", lambda kw, mk: {**kw, "kv_layout": "nhd",
+                                "k_cache": mk.zeros((4, 16, 2, 128), np.uint8),
+                                "v_cache": mk.zeros((4, 16, 2, 128), np.uint8)},
+     TypeError, "k_cache"),
+    ("nhd-block_size-48", lambda kw, mk: {**kw, "kv_layout": "nhd",
+                                          "k_cache": mk.zeros((4, 48, 2, 128), BF16),
+                                          "v_cache": mk.zeros((4, 48, 2, 128), BF16)},
+     ValueError, "k_cache"),
     *types("out", like="q", required=False),
     ("alibi_slopes-numpy", put(alibi_slopes=np.zeros(4, np.float32)), TypeError, "alibi_slopes"),
     ("alibi_slopes-list", put(alibi_slopes=[0.0] * 4), TypeError, "alibi_slopes"),
@@ -537,9 +600,91 @@ ROWS += table(
 )
 
 ROWS += table(
+    cuattn.paged_prefill, prefill_kwargs,
+    # wrong types
+    *types("q", "k_cache", "v_cache", "block_tables", "seq_lens", "cu_seqlens_q"),
+    *types("out", like="q", required=False),
+    *hook_rows(4),
+    # q: float16 / bfloat16 (total_q, nheads, head_size), a paged head size, nheads a
+    # multiple of nheads_kv, last dimension contiguous, 16-byte rows
+    ("q-float32", new("q", dtype=np.float32), TypeError, "q"),
+    ("q-rank4", new("q", shape=(1, 6, 4, 128)), ValueError, "q"),
+    ("q-head_size-100", new("q", shape=(6, 4, 100)), ValueError, "q"),
+    ("q-heads-not-a-multiple", new("q", shape=(6, 3, 128)), ValueError, "q"),
+    ("q-no-heads", new("q", shape=(6, 0, 128)), ValueError, "q"),
+    ("q-strided", new("q", strided=True), ValueError, "q"),
+    ("q-misaligned", new("q", offset=2), ValueError, "q"),
+    ("q-row-stride-misaligned", make(q=padded((6, 4, 128), BF16, 4)), ValueError, "q"),
+    # caches: the query's dtype (fp8 not yet), in kv_layout's shapes
+    ("k_cache-f16", new("k_cache", "v_cache", dtype=F16), TypeError, "k_cache"),
+    ("v_cache-f16", new("v_cache", dtype=F16), TypeError, "v_cache"),
+    ("k_cache-fp8-not-yet", make(k_cache=lambda mk: mk.zeros(_FP8_KSHAPE, np.uint8),
+                                 v_cache=lambda mk: mk.zeros(_FP8_VSHAPE, np.uint8)),
+     TypeError, "k_cache"),
+    ("k_cache-rank4-vllm", new("k_cache", shape=NHD_SHAPE), ValueError, "k_cache"),
+    ("block_size-64", new("k_cache", shape=(4, 2, 16, 64, 8)), ValueError, "k_cache"),
+    ("kv_layout-hnd", put(kv_layout="hnd"), ValueError, "kv_layout"),
+    ("kv_layout-int", put(kv_layout=1), ValueError, "kv_layout"),
+    ("kv_layout-None", put(kv_layout=None), ValueError, "kv_layout"),
+    ("nhd-k_cache-rank5", nhd(k_cache=lambda mk: mk.zeros(KSHAPE, BF16)), ValueError, "k_cache"),
+    ("nhd-block_size-48", nhd(k_cache=lambda mk: mk.zeros((4, 48, 2, 128), BF16),
+                              v_cache=lambda mk: mk.zeros((4, 48, 2, 128), BF16)),
+     ValueError, "k_cache"),
+    ("nhd-head_size-differs", nhd(k_cache=lambda mk: mk.zeros((4, 16, 2, 64), BF16),
+                                  v_cache=lambda mk: mk.zeros((4, 16, 2, 64), BF16)),
+     ValueError, "k_cache"),
+    ("nhd-v_cache-shape", nhd(v_cache=lambda mk: mk.zeros((4, 16, 1, 128), BF16)), ValueError,
+     "v_cache"),
+    ("nhd-v_cache-dtype", nhd(v_cache=lambda mk: mk.zeros(NHD_SHAPE, F16)), TypeError,
+     "v_cache"),
+    ("nhd-k_cache-row-stride", nhd(k_cache=padded(NHD_SHAPE, BF16, 4)), ValueError, "k_cache"),
+    ("nhd-v_cache-strided", nhd(v_cache=lambda mk: mk.zeros(NHD_SHAPE, BF16, strided=True)),
+     ValueError, "v_cache"),
+    ("nhd-k_cache-misaligned", nhd(k_cache=lambda mk: mk.zeros(NHD_SHAPE, BF16, offset=2)),
+     ValueError, "k_cache"),
+    # the tables: int32, one row / entry per sequence (cu_seqlens_q has num_seqs + 1)
+    ("block_tables-int64", new("block_tables", dtype=np.int64), TypeError, "block_tables"),
+    ("block_tables-rows", new("block_tables", shape=(3, 2)), ValueError, "block_tables"),
+    ("block_tables-rank1", new("block_tables", shape=(2,)), ValueError, "block_tables"),
+    ("block_tables-strided", new("block_tables", strided=True), ValueError, "block_tables"),
+    ("block_tables-huge", new("block_tables", shape=(2, 2**25), broadcast=True), ValueError,
+     "block_tables"),
+    ("seq_lens-int64", new("seq_lens", dtype=np.int64), TypeError, "seq_lens"),
+    ("seq_lens-length", new("seq_lens", shape=(3,)), ValueError, "seq_lens"),
+    ("seq_lens-misaligned", new("seq_lens", offset=1), ValueError, "seq_lens"),
+    ("cu_seqlens_q-int64", new("cu_seqlens_q", dtype=np.int64), TypeError, "cu_seqlens_q"),
+    ("cu_seqlens_q-rank2", new("cu_seqlens_q", shape=(3, 1)), ValueError, "cu_seqlens_q"),
+    ("cu_seqlens_q-empty", new("cu_seqlens_q", shape=(0,)), ValueError, "cu_seqlens_q"),
+    ("cu_seqlens_q-strided", new("cu_seqlens_q", strided=True), ValueError, "cu_seqlens_q"),
+    # scalars
+    ("max_seqlen_q-float", put(max_seqlen_q=4.0), TypeError, "max_seqlen_q"),
+    ("max_seqlen_q-bool", put(max_seqlen_q=True), TypeError, "max_seqlen_q"),
+    ("max_seqlen_q-negative", put(max_seqlen_q=-1), ValueError, "max_seqlen_q"),
+    ("max_seqlen_q-2**29", put(max_seqlen_q=2**29), ValueError, "max_seqlen_q"),
+    ("causal-str", put(causal="yes"), TypeError, "causal"),
+    ("window_size-one", put(window_size=(3,)), TypeError, "window_size"),
+    ("window_size--2", put(window_size=(-2, 0)), ValueError, "window_size"),
+    ("softmax_scale-nan", put(softmax_scale=NAN), ValueError, "softmax_scale"),
+    ("k_scale-0", put(k_scale=0.0), ValueError, "k_scale"),
+    ("v_scale-None", put(v_scale=None), TypeError, "v_scale"),
+    ("num_splits-negative", put(num_splits=-1), ValueError, "num_splits"),
+    ("num_splits-str", put(num_splits="2"), TypeError, "num_splits"),
+    ("stream-str", put(stream="default"), TypeError, "stream", DEVICE),
+    # out=: q's shape and dtype, 16-byte rows
+    ("out-shape", new("out", like="q", shape=(5, 4, 128)), ValueError, "out"),
+    ("out-f16", new("out", like="q", dtype=F16), TypeError, "out"),
+    ("out-misaligned", new("out", like="q", offset=2), ValueError, "out"),
+    # devices
+    *elsewhere("k_cache", "v_cache", "block_tables", "seq_lens", "cu_seqlens_q"),
+    *elsewhere("out", like="q"),
+)
+
+ROWS += table(
     cuattn.reshape_and_cache, reshape_kwargs,
     # wrong types
     *types("key", "value", "k_cache", "v_cache", "slot_mapping"),
+    ("kv_layout-hnd", put(kv_layout="hnd"), ValueError, "kv_layout"),
+    ("nhd-with-vllm-caches", put(kv_layout="nhd"), ValueError, "k_cache"),
     # key, value: float16 / bfloat16 (num_tokens, nheads_kv, head_size) alike, as the caches
     ("key-float32", new("key", "value", dtype=np.float32), TypeError, "key"),
     ("key-int16", new("key", dtype=np.int16), TypeError, "key"),
@@ -586,6 +731,8 @@ ROWS += table(
 
 ROWS += table(
     cuattn.paged_kv_cache_shapes, shapes_kwargs,
+    ("kv_layout-hnd", put(kv_layout="hnd"), ValueError, "kv_layout"),
+    ("nhd-block_size-3", put(kv_layout="nhd", block_size=3), ValueError, "block_size"),
     # the dtype of the cache; non-negative counts; supported head and block sizes
     ("dtype-float32", put(dtype=np.float32), TypeError, "dtype"),
     ("dtype-int32", put(dtype=np.int32), TypeError, "dtype"),

@@ -8,8 +8,9 @@ reshape.py: reshape_and_cache.
 from __future__ import annotations
 
 from .attention import auto_version, paged_attention
-from .layout import BLOCK_SIZES, HEAD_SIZES, paged_kv_cache_shapes
+from .layout import BLOCK_SIZES, HEAD_SIZES, KV_LAYOUTS, NHD_BLOCK_SIZES, paged_kv_cache_shapes
+from .prefill import paged_prefill
 from .reshape import reshape_and_cache
 
-__all__ = ["BLOCK_SIZES", "HEAD_SIZES", "auto_version", "paged_attention",
-           "paged_kv_cache_shapes", "reshape_and_cache"]
+__all__ = ["BLOCK_SIZES", "HEAD_SIZES", "KV_LAYOUTS", "NHD_BLOCK_SIZES", "auto_version",
+           "paged_attention", "paged_kv_cache_shapes", "paged_prefill", "reshape_and_cache"]

@@ -14,19 +14,22 @@ import numpy as np
 from .. import _arrays as A
 from .. import tuning
 from .._dtypes import activation_dtype
+from .._hooks import check_hooks, hook_fields
 from .._launch import NULL, Launch, Plan, execute, plan_cache, plan_for, returns
 from ..jit import get_kernel
-from ..variants import PAGED_PARAMS, PAGED_REDUCE_PARAMS
+from ..variants import FEAT_ALIBI, FEAT_SINKS, FEAT_SOFTCAP, PAGED_PARAMS, PAGED_REDUCE_PARAMS
 from .forms import form_for
-from .layout import HEAD_SIZES, check_caches, check_scale
+from .layout import HEAD_SIZES, check_caches, check_layout, check_scale, check_tables
 
 _plans = plan_cache()
-_NAMES = ("q", "k_cache", "v_cache", "block_tables", "seq_lens", "alibi_slopes", "out")
+_NAMES = ("q", "k_cache", "v_cache", "block_tables", "seq_lens", "alibi_slopes", "sinks", "out")
+_UNBOUNDED = 2**30
 _Q_DOC = "(num_seqs, nheads, head_size)"
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, *, softmax_scale=None,
-                    k_scale=1.0, v_scale=1.0, alibi_slopes=None, version="auto",
+                    k_scale=1.0, v_scale=1.0, alibi_slopes=None, softcap=0.0, sinks=None,
+                    window_size=(-1, -1), kv_layout="vllm", version="auto",
                     partition_size=None, return_lse=False, out=None, stream=None):
     """Decode attention of one query token per sequence over a paged KV cache.
 
@@ -38,15 +41,20 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, *, softmax_scal
     block_tables: int32 (num_seqs, max_blocks_per_seq); seq_lens: int32 (num_seqs,). A
         sequence longer than max_blocks_per_seq * block_size is clamped to that.
     alibi_slopes: float32 (nheads,) or None; bias slope * (j - seq_len + 1) on key j.
+    softcap, sinks: cuattn._hooks. window_size = (left, right): the query (position
+        seq_len - 1) sees keys j >= seq_len - 1 - left (-1: unbounded; right is moot).
+    kv_layout: "vllm" (above) or "nhd" (K and V (num_blocks, block_size, nheads_kv,
+        head_size), 16-bit caches and head sizes that are multiples of 16).
     version: "v1", "v2" or "auto"; partition_size: v2's tokens per thread block, one of
         128 / 256 / 512 / 1024, or None: the tuning rule's choice (cuattn.tuning).
     Returns out (like q), or (out, lse) with lse float32 (nheads, num_seqs), natural log,
     -inf for an empty sequence: the layout cuattn.merge_attn_states takes.
     """
-    options = (softmax_scale, k_scale, v_scale, version, partition_size, return_lse)
+    options = (softmax_scale, k_scale, v_scale, softcap, window_size, kv_layout, version,
+               partition_size, return_lse)
     plan, arrays, stream, ptrs = plan_for(
-        _plans, (q, k_cache, v_cache, block_tables, seq_lens, alibi_slopes, out), _NAMES, options,
-        lambda arrays: _plan(arrays, *options), stream, 5)
+        _plans, (q, k_cache, v_cache, block_tables, seq_lens, alibi_slopes, sinks, out), _NAMES,
+        options, lambda arrays: _plan(arrays, *options), stream, 5)
     return execute(plan, arrays, stream, ptrs)
 
 
@@ -67,16 +75,23 @@ def auto_version(q_shape, cache_dtype, nheads_kv: int, block_size: int, max_bloc
     return version if version == "v1" else f"v2 p{ps}"
 
 
-def _check_1d_device_array(x, dtype, shape, name, doc):
-    A.check_dtype(x, dtype, name)
-    A.check_shape(x, shape, name, doc)
-    A.check_last_dim_contiguous(x, name)
-    A.check_aligned(x, 4, name)
+def _check_window(window_size) -> int:
+    """The kernels' window_left: keys j >= seq_len - 1 - window_left."""
+    try:
+        left, right = window_size
+    except (TypeError, ValueError):
+        left = right = None
+    if not all(isinstance(w, (int, np.integer)) and not isinstance(w, bool) for w in (left, right)):
+        raise TypeError(f"window_size: expected a pair of ints (left, right), got {window_size!r}")
+    if left < -1 or right < -1:
+        raise ValueError(f"window_size: each side is -1 (unbounded) or >= 0, got {window_size}")
+    return _UNBOUNDED if left < 0 else min(int(left), _UNBOUNDED)
 
 
-def _plan(arrays, softmax_scale, k_scale, v_scale, version, partition_size, return_lse) -> Plan:
+def _plan(arrays, softmax_scale, k_scale, v_scale, softcap, window_size, kv_layout, version,
+          partition_size, return_lse) -> Plan:
     """Every check of paged_attention (raising before any launch) -> its Plan."""
-    q, k_cache, v_cache, block_tables, seq_lens, alibi_slopes, out = arrays
+    q, k_cache, v_cache, block_tables, seq_lens, alibi_slopes, sinks, out = arrays
     A.check_ndim(q, 3, "q", _Q_DOC)
     dtype = activation_dtype(q.dtype, "q")
     num_seqs, num_heads, head_size = q.shape
@@ -86,23 +101,20 @@ def _plan(arrays, softmax_scale, k_scale, v_scale, version, partition_size, retu
         raise ValueError(f"q: num_seqs {num_seqs} is more than one launch's 65535 "
                          "(a grid dimension); split the batch")
     A.check_last_dim_contiguous(q, "q")
-    info = check_caches(k_cache, v_cache, dtype, head_size)
+    kv_layout = check_layout(kv_layout)
+    info = check_caches(k_cache, v_cache, dtype, head_size, kv_layout)
+    if kv_layout == "nhd" and (info.cache == "e4m3" or head_size % 16):
+        raise TypeError(f"k_cache: kv_layout 'nhd' runs on the tensor-core form: 16-bit caches "
+                        f"and head sizes that are multiples of 16 (got {info.cache}, "
+                        f"head_size {head_size})")
     if num_heads == 0:
         raise ValueError(f"q: expected at least one head, got shape {tuple(q.shape)}")
     if info.num_kv_heads == 0 or num_heads % info.num_kv_heads:
         raise ValueError(f"q: nheads {num_heads} is not a multiple of the caches' nheads_kv "
                          f"{info.num_kv_heads}")
-    A.check_ndim(block_tables, 2, "block_tables", "(num_seqs, max_blocks_per_seq)")
-    A.check_dtype(block_tables, np.int32, "block_tables")
-    if block_tables.shape[0] != num_seqs:
-        raise ValueError(f"block_tables: expected {num_seqs} rows (num_seqs), got shape "
-                         f"{tuple(block_tables.shape)}")
-    A.check_last_dim_contiguous(block_tables, "block_tables")
-    A.check_aligned(block_tables, 4, "block_tables")
-    _check_1d_device_array(seq_lens, np.int32, (num_seqs,), "seq_lens", "(num_seqs,)")
-    if alibi_slopes is not None:
-        _check_1d_device_array(alibi_slopes, np.float32, (num_heads,), "alibi_slopes",
-                               "(nheads,)")
+    check_tables(block_tables, seq_lens, num_seqs)
+    features, softcap = check_hooks(softcap, alibi_slopes, sinks, num_heads, q.device.id)
+    window_left = _check_window(window_size)
     if not isinstance(version, str) or version not in ("auto", "v1", "v2"):
         raise ValueError(f"version: expected 'auto', 'v1' or 'v2', got {version!r}")
     if partition_size is not None:
@@ -117,7 +129,7 @@ def _plan(arrays, softmax_scale, k_scale, v_scale, version, partition_size, retu
     softmax_scale = A.check_softmax_scale(softmax_scale, head_size, k_scale)
     device_id = q.device.id
     A.check_same_device({"k_cache": k_cache, "v_cache": v_cache, "block_tables": block_tables,
-                         "seq_lens": seq_lens, "alibi_slopes": alibi_slopes}, device_id)
+                         "seq_lens": seq_lens}, device_id)
     if out is not None:             # element stores: no vector alignment needed
         A.check_output(out, q.shape, q.dtype, "out", _Q_DOC, device_id)
 
@@ -125,19 +137,22 @@ def _plan(arrays, softmax_scale, k_scale, v_scale, version, partition_size, retu
     group = tuning.paged_group(gqa)
     max_blocks = block_tables.shape[1]
     max_context = max_blocks * info.block_size
-    alibi = alibi_slopes is not None
+    alibi = bool(features & FEAT_ALIBI)
+    hooks = dict(softcap=bool(features & FEAT_SOFTCAP), sinks=bool(features & FEAT_SINKS),
+                 nhd=kv_layout == "nhd")
     return_lse = bool(return_lse)
     lse_shape = (num_heads, num_seqs)
     slots, outputs, returned_slots, result = returns(
-        len(arrays), [(6 if out is not None else None, q.shape, q.dtype)] +
+        len(arrays), [(7 if out is not None else None, q.shape, q.dtype)] +
         ([(None, lse_shape, np.float32)] if return_lse else []))
     out_slot, lse_slot = (returned_slots + (NULL,))[:2]
-    align = ((1, 16), (2, info.v_align), (3, 4), (4, 4)) + ((5, 4),) * alibi
+    align = ((1, 16), (2, info.v_align), (3, 4), (4, 4), (5, 4), (6, 4))
     common = dict(device_id=device_id, align=align, outputs=outputs, result=result)
 
-    form = form_for(info.cache, head_size, group)
+    form = form_for(info.cache, head_size, group, nhd=hooks["nhd"])
     with cupy.cuda.Device(device_id):
-        v1_key = form.variant(dtype.short, info.cache, head_size, info.block_size, group, 0, alibi)
+        v1_key = form.variant(dtype.short, info.cache, head_size, info.block_size, group, 0, alibi,
+                              **hooks)
         version, partition_size = form.choose(version, partition_size,
                                               (num_heads // group) * num_seqs, max_context,
                                               device_id, v1_key)
@@ -151,9 +166,9 @@ def _plan(arrays, softmax_scale, k_scale, v_scale, version, partition_size, retu
             q_stride_seq=qs[0], q_stride_head=qs[1], **info.strides(k_cache, v_cache),
             bt_stride_seq=block_tables.strides[0] // 4,
             scale_log2=softmax_scale * k_scale * A.LOG2E, v_scale=v_scale,
+            **hook_fields(softcap, 1 / A.LOG2E), window_left=window_left,
             num_seqs=num_seqs, num_heads=num_heads, gqa_ratio=gqa, max_blocks_per_seq=max_blocks)
-        inputs = (slots.arg(0), slots.arg(1), slots.arg(2), slots.arg(3), slots.arg(4),
-                  slots.arg(5) if alibi else NULL)
+        inputs = tuple(slots.arg(i) for i in range(7))
         grid_x = num_heads // group
 
         if version == "v1":
@@ -166,8 +181,8 @@ def _plan(arrays, softmax_scale, k_scale, v_scale, version, partition_size, retu
             return Plan(**common, launches=(launch,))
 
         key = form.variant(dtype.short, info.cache, head_size, info.block_size, group,
-                           partition_size, alibi)
-        rkey = tuning.paged_reduce_variant(dtype.short, head_size)
+                           partition_size, alibi, **hooks)
+        rkey = tuning.paged_reduce_variant(dtype.short, head_size, sinks=hooks["sinks"])
         max_parts = max(1, -(-max_context // partition_size))
         tmp_out_bytes = num_seqs * num_heads * max_parts * head_size * 4   # a multiple of 16
         tmp_lse_bytes = num_seqs * num_heads * max_parts * 4
@@ -187,6 +202,7 @@ def _plan(arrays, softmax_scale, k_scale, v_scale, version, partition_size, retu
                                    tail))
         launches.append(Launch(get_kernel(rkey, device_id), (num_heads, num_seqs),
                                (rkey.num_threads,), 0, PAGED_REDUCE_PARAMS.dtype,
-                               (out_slot, lse_slot, tmp_out, tmp_lse, slots.arg(4)), rtail))
+                               (out_slot, lse_slot, tmp_out, tmp_lse, slots.arg(4), slots.arg(6)),
+                               rtail))
     return Plan(**common, scratch=(0, tmp_out_bytes), scratch_bytes=tmp_out_bytes + tmp_lse_bytes,
                 launches=tuple(launches))

@@ -26,7 +26,8 @@ class PagedForm:
     name: str
 
     def variant(self, dtype: str, cache: str, head_size: int, block_size: int, group: int,
-                partition_size: int, alibi: bool) -> Variant:
+                partition_size: int, alibi: bool, softcap: bool = False, sinks: bool = False,
+                nhd: bool = False) -> Variant:
         """The main kernel's key (partition_size 0: v1)."""
         raise NotImplementedError
 
@@ -49,9 +50,10 @@ class PagedForm:
 class MmaForm(PagedForm):
     name = "mma"
 
-    def variant(self, dtype, cache, head_size, block_size, group, partition_size, alibi):
+    def variant(self, dtype, cache, head_size, block_size, group, partition_size, alibi,
+                softcap=False, sinks=False, nhd=False):
         return tuning.paged_mma_variant(dtype, head_size, block_size, group, partition_size,
-                                        alibi)
+                                        alibi, softcap, sinks, nhd)
 
     def choose(self, version, partition_size, num_ctas_v1, max_context, device_id, v1_key):
         num_sms = device_info(device_id).sm_count
@@ -68,9 +70,11 @@ class MmaForm(PagedForm):
 class SimtForm(PagedForm):
     name = "simt"
 
-    def variant(self, dtype, cache, head_size, block_size, group, partition_size, alibi):
+    def variant(self, dtype, cache, head_size, block_size, group, partition_size, alibi,
+                softcap=False, sinks=False, nhd=False):
+        assert not nhd, "the CUDA-core form reads vLLM's layout only"
         return tuning.paged_simt_variant(dtype, cache, head_size, block_size, group,
-                                         partition_size, alibi)
+                                         partition_size, alibi, softcap, sinks)
 
     def choose(self, version, partition_size, num_ctas_v1, max_context, device_id, v1_key):
         auto_version, ps = tuning.paged_simt_plan(max_context, partition_size)
@@ -112,5 +116,6 @@ class SimtForm(PagedForm):
 FORMS = {"mma": MmaForm(), "simt": SimtForm()}
 
 
-def form_for(cache: str, head_size: int, group: int) -> PagedForm:
-    return FORMS[tuning.paged_form(cache, head_size, group)]
+def form_for(cache: str, head_size: int, group: int, nhd: bool = False) -> PagedForm:
+    """The form tuning chooses (the NHD layout: always the tensor-core form)."""
+    return FORMS["mma" if nhd else tuning.paged_form(cache, head_size, group)]

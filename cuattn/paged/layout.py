@@ -1,8 +1,13 @@
-"""vLLM's paged KV cache layouts, their shapes and the checks every paged op shares.
+"""The paged KV cache layouts, their shapes and the checks every paged op shares.
 
-K cache (num_blocks, nheads_kv, head_size // x, block_size, x) with x = 16 // itemsize: the
-x elements (16 bytes) of one token are contiguous, then the same 16 bytes of the next token
-of the block. V cache (num_blocks, nheads_kv, head_size, block_size).
+kv_layout="vllm" (vLLM's paged-attention kernels): K cache (num_blocks, nheads_kv,
+head_size // x, block_size, x) with x = 16 // itemsize: the x elements (16 bytes) of one
+token are contiguous, then the same 16 bytes of the next token of the block. V cache
+(num_blocks, nheads_kv, head_size, block_size). Block sizes 8, 16, 32.
+
+kv_layout="nhd" (vLLM's FlashAttention backend, FlashInfer, SGLang): K and V caches each
+(num_blocks, block_size, nheads_kv, head_size), the head dim contiguous. Block sizes every
+power of two from 1 to 256.
 """
 from __future__ import annotations
 
@@ -15,9 +20,12 @@ from .. import _arrays as A
 from .._dtypes import BY_SHORT, FP8_E4M3, UINT8_E4M3
 
 HEAD_SIZES = (64, 80, 96, 112, 120, 128, 192, 256)
-BLOCK_SIZES = (8, 16, 32)
+KV_LAYOUTS = ("vllm", "nhd")
+BLOCK_SIZES = (8, 16, 32)                              # vllm
+NHD_BLOCK_SIZES = tuple(2 ** i for i in range(9))      # nhd: 1 .. 256
 K_DOC = "(num_blocks, nheads_kv, head_size // x, block_size, x)"
 V_DOC = "(num_blocks, nheads_kv, head_size, block_size)"
+NHD_DOC = "(num_blocks, block_size, nheads_kv, head_size)"
 
 
 @dataclass(frozen=True)
@@ -27,13 +35,25 @@ class CacheInfo:
     head_size: int
     block_size: int
     v_align: int          # bytes the V cache's base address needs (K: 16)
+    layout: str = "vllm"
 
     def strides(self, k_cache, v_cache) -> dict:
-        """Element strides of the two caches, as the params structs name them."""
+        """Element strides of the two caches, as the decode and reshape params name them
+        (for "nhd" also v_stride_token; "vllm"'s V slots are contiguous)."""
         ks, vs = A.element_strides(k_cache), A.element_strides(v_cache)
+        if self.layout == "nhd":
+            return dict(k_stride_block=ks[0], k_stride_token=ks[1], k_stride_head=ks[2],
+                        k_stride_x=16 // k_cache.itemsize, v_stride_block=vs[0],
+                        v_stride_token=vs[1], v_stride_head=vs[2], v_stride_dim=vs[3])
         return dict(k_stride_block=ks[0], k_stride_head=ks[1], k_stride_x=ks[2],
                     k_stride_token=ks[3], v_stride_block=vs[0], v_stride_head=vs[1],
-                    v_stride_dim=vs[2])
+                    v_stride_dim=vs[2], v_stride_token=1)
+
+    def decode_strides(self, k_cache, v_cache) -> dict:
+        """The strides paged_attention's params take (vLLM's layout)."""
+        strides = self.strides(k_cache, v_cache)
+        del strides["v_stride_token"]
+        return strides
 
 
 def cache_dtype(x, name: str, q_dtype) -> str:
@@ -56,7 +76,15 @@ def check_scale(value, name: str) -> float:
     return f
 
 
-def check_caches(k_cache, v_cache, q_dtype, head_size=None) -> CacheInfo:
+def check_layout(kv_layout) -> str:
+    if not isinstance(kv_layout, str) or kv_layout not in KV_LAYOUTS:
+        raise ValueError(f"kv_layout: expected one of {KV_LAYOUTS}, got {kv_layout!r}")
+    return kv_layout
+
+
+def check_caches(k_cache, v_cache, q_dtype, head_size=None, kv_layout="vllm") -> CacheInfo:
+    if kv_layout == "nhd":
+        return _check_nhd_caches(k_cache, v_cache, q_dtype, head_size)
     A.check_ndim(k_cache, 5, "k_cache", K_DOC)
     A.check_ndim(v_cache, 4, "v_cache", V_DOC)
     cache = cache_dtype(k_cache, "k_cache", q_dtype)
@@ -85,13 +113,52 @@ def check_caches(k_cache, v_cache, q_dtype, head_size=None) -> CacheInfo:
     return CacheInfo(cache, nkv, hs, block_size, v_align)
 
 
+def _check_nhd_caches(k_cache, v_cache, q_dtype, head_size) -> CacheInfo:
+    A.check_ndim(k_cache, 4, "k_cache", NHD_DOC)
+    A.check_ndim(v_cache, 4, "v_cache", NHD_DOC)
+    cache = cache_dtype(k_cache, "k_cache", q_dtype)
+    if v_cache.dtype != k_cache.dtype:
+        raise TypeError(f"v_cache: dtype {v_cache.dtype} differs from k_cache's {k_cache.dtype}")
+    num_blocks, block_size, nkv, hs = k_cache.shape
+    if head_size is not None and hs != head_size:
+        raise ValueError(f"k_cache: head_size {hs} differs from the query's {head_size}")
+    if hs not in HEAD_SIZES:
+        raise ValueError(f"k_cache: head_size {hs} is not supported; expected one of {HEAD_SIZES}")
+    if block_size not in NHD_BLOCK_SIZES:
+        raise ValueError(f"k_cache: block_size {block_size} is not supported for kv_layout "
+                         f"'nhd'; expected a power of two from 1 to 256")
+    A.check_shape(v_cache, k_cache.shape, "v_cache", NHD_DOC)
+    for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+        A.check_last_dim_contiguous(x, name)
+        A.check_aligned(x, 16, name)      # each token's row is read in 16-byte vectors
+    return CacheInfo(cache, nkv, hs, block_size, 16, "nhd")
+
+
+def check_tables(block_tables, seq_lens, num_seqs: int) -> None:
+    """block_tables int32 (num_seqs, max_blocks_per_seq) and seq_lens int32 (num_seqs,)."""
+    A.check_ndim(block_tables, 2, "block_tables", "(num_seqs, max_blocks_per_seq)")
+    A.check_dtype(block_tables, np.int32, "block_tables")
+    if block_tables.shape[0] != num_seqs:
+        raise ValueError(f"block_tables: expected {num_seqs} rows (num_seqs), got shape "
+                         f"{tuple(block_tables.shape)}")
+    A.check_last_dim_contiguous(block_tables, "block_tables")
+    A.check_aligned(block_tables, 4, "block_tables")
+    A.check_ndim(seq_lens, 1, "seq_lens", "(num_seqs,)")
+    A.check_dtype(seq_lens, np.int32, "seq_lens")
+    A.check_shape(seq_lens, (num_seqs,), "seq_lens", "(num_seqs,)")
+    A.check_last_dim_contiguous(seq_lens, "seq_lens")
+    A.check_aligned(seq_lens, 4, "seq_lens")
+
+
 def paged_kv_cache_shapes(num_blocks: int, nheads_kv: int, head_size: int, block_size: int,
-                          dtype) -> tuple[tuple, tuple]:
+                          dtype, kv_layout: str = "vllm") -> tuple[tuple, tuple]:
     """(k_cache_shape, v_cache_shape) of a paged cache of ``dtype`` elements.
 
-    K: (num_blocks, nheads_kv, head_size // x, block_size, x) with x = 16 // itemsize;
-    V: (num_blocks, nheads_kv, head_size, block_size).
+    kv_layout="vllm": K (num_blocks, nheads_kv, head_size // x, block_size, x) with
+    x = 16 // itemsize, V (num_blocks, nheads_kv, head_size, block_size).
+    kv_layout="nhd": K and V (num_blocks, block_size, nheads_kv, head_size).
     """
+    kv_layout = check_layout(kv_layout)
     try:
         dt = np.dtype(dtype)
     except TypeError:
@@ -106,6 +173,12 @@ def paged_kv_cache_shapes(num_blocks: int, nheads_kv: int, head_size: int, block
             raise ValueError(f"{name}: expected a non-negative int, got {v!r}")
     if head_size not in HEAD_SIZES:
         raise ValueError(f"head_size: {head_size} is not supported; expected one of {HEAD_SIZES}")
+    if kv_layout == "nhd":
+        if block_size not in NHD_BLOCK_SIZES:
+            raise ValueError(f"block_size: {block_size} is not supported for kv_layout 'nhd'; "
+                             "expected a power of two from 1 to 256")
+        shape = (int(num_blocks), block_size, int(nheads_kv), head_size)
+        return shape, shape
     if block_size not in BLOCK_SIZES:
         raise ValueError(f"block_size: {block_size} is not supported; expected one of {BLOCK_SIZES}")
     x = 16 // dt.itemsize

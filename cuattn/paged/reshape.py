@@ -14,29 +14,30 @@ from .._dtypes import activation_dtype
 from .._launch import Launch, Plan, Slots, execute, plan_cache, plan_for
 from ..jit import get_kernel
 from ..variants import RESHAPE_PARAMS
-from .layout import HEAD_SIZES, check_caches, check_scale
+from .layout import HEAD_SIZES, check_caches, check_layout, check_scale
 
 _plans = plan_cache()
 _NAMES = ("key", "value", "k_cache", "v_cache", "slot_mapping")
 
 
 def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, *, k_scale=1.0, v_scale=1.0,
-                      stream=None):
+                      kv_layout="vllm", stream=None):
     """Write new tokens into the paged caches: token i goes to slot slot_mapping[i]
     (= physical_block * block_size + offset); a negative slot is skipped.
 
     key, value: (num_tokens, nheads_kv, head_size) float16 / bfloat16.
-    k_cache / v_cache: as for paged_attention, the same dtype as key, or fp8 e4m3 (then the
-    cache stores round-to-nearest(key / k_scale) and (value / v_scale)).
+    k_cache / v_cache: in ``kv_layout`` ("vllm" or "nhd", cuattn.paged.layout), the same
+    dtype as key, or fp8 e4m3 (then the cache stores round-to-nearest(key / k_scale) and
+    (value / v_scale)).
     slot_mapping: int32 or int64 (num_tokens,).
     """
     plan, arrays, stream, ptrs = plan_for(
-        _plans, (key, value, k_cache, v_cache, slot_mapping), _NAMES, (k_scale, v_scale),
-        lambda arrays: _plan(arrays, k_scale, v_scale), stream, 5)
+        _plans, (key, value, k_cache, v_cache, slot_mapping), _NAMES, (k_scale, v_scale, kv_layout),
+        lambda arrays: _plan(arrays, k_scale, v_scale, kv_layout), stream, 5)
     execute(plan, arrays, stream, ptrs)
 
 
-def _plan(arrays, k_scale, v_scale) -> Plan:
+def _plan(arrays, k_scale, v_scale, kv_layout) -> Plan:
     """Every check of reshape_and_cache -> its Plan (no launch when there is nothing to write)."""
     key, value, k_cache, v_cache, slot_mapping = arrays
     doc = "(num_tokens, nheads_kv, head_size)"
@@ -47,7 +48,7 @@ def _plan(arrays, k_scale, v_scale) -> Plan:
     num_tokens, nkv, head_size = key.shape
     if head_size not in HEAD_SIZES:
         raise ValueError(f"key: head_size {head_size} is not supported; expected one of {HEAD_SIZES}")
-    info = check_caches(k_cache, v_cache, dtype, head_size)
+    info = check_caches(k_cache, v_cache, dtype, head_size, check_layout(kv_layout))
     if info.num_kv_heads != nkv:
         raise ValueError(f"key: nheads_kv {nkv} differs from the caches' {info.num_kv_heads}")
     for name, x in (("key", key), ("value", value)):

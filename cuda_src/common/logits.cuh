@@ -1,33 +1,47 @@
 // Logits hooks: what a kernel does to a score, in its softmax units, after Q K^T and before
 // the mask and the softmax (FlashInfer's LogitsTransform). A kernel's traits name its hook;
 // one with ACTIVE = false compiles to nothing. q_pos and k_pos are the positions of the
-// query and the key in the sequence. Hooks are built from the per-head value they need (the
-// kernel reads it only when the hook is ACTIVE).
+// query and the key in the sequence. The kernel builds a hook per query head from the values
+// it needs (and reads them only for the parts that are on).
+//
+// Two parts, in FlashAttention-2's order (softcap, then the ALiBi bias):
+//   softcap (Gemma 2): a scaled score s becomes cap * tanh(s / cap). In the kernel's units
+//     u = s / unit (flash_fwd keeps raw scores: unit = softmax_scale; paged keeps log2
+//     units: unit = 1 / log2(e)) that is u -> cap_out * tanh(u * cap_in) with
+//     cap_in = unit / cap and cap_out = cap / unit.
+//   ALiBi (Press et al. 2022): - slope * |k_pos - q_pos|, the slope of the query's head in
+//     the kernel's units (FlashAttention-2's bias; for keys at or before the query, as in
+//     causal attention and decode, it is slope * (k_pos - q_pos)).
 #pragma once
 
 namespace cuattn {
 
-struct NoLogitsHook {
-  static constexpr bool ACTIVE = false;
-  __device__ __forceinline__ explicit NoLogitsHook(float /*slope*/ = 0.f) {}
-  __device__ __forceinline__ float operator()(float x, int /*q_pos*/, int /*k_pos*/) const {
+// tanh on the MUFU unit (sm_75+): max relative error 2^-10.99, FlashAttention-2's
+// cutlass::fast_tanh.
+__device__ __forceinline__ float tanh_approx(float x) {
+  float y;
+  asm("tanh.approx.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+template <bool SOFTCAP, bool ALIBI>
+struct LogitsHook {
+  static constexpr bool ACTIVE = SOFTCAP || ALIBI;
+  float slope;     // ALiBi, in the kernel's units
+  float cap_in;    // softcap: unit / cap
+  float cap_out;   // softcap: cap / unit
+
+  __device__ __forceinline__ explicit LogitsHook(float slope_ = 0.f, float cap_in_ = 0.f,
+                                                 float cap_out_ = 0.f)
+      : slope(slope_), cap_in(cap_in_), cap_out(cap_out_) {}
+
+  __device__ __forceinline__ float operator()(float x, int q_pos, int k_pos) const {
+    if constexpr (SOFTCAP) x = cap_out * tanh_approx(x * cap_in);
+    if constexpr (ALIBI) x -= slope * fabsf(float(k_pos - q_pos));
     return x;
   }
 };
 
-// ALiBi (Press et al. 2022): x + slope * (k_pos - q_pos), the slope of the query's head in
-// the kernel's softmax units.
-struct AlibiHook {
-  static constexpr bool ACTIVE = true;
-  float slope;
-  __device__ __forceinline__ explicit AlibiHook(float s = 0.f) : slope(s) {}
-  __device__ __forceinline__ float operator()(float x, int q_pos, int k_pos) const {
-    return x + slope * float(k_pos - q_pos);
-  }
-};
-
-// A kernel templated on ALIBI (true / false) takes its hook from here.
-template <bool ALIBI> struct AlibiOrNone { using type = NoLogitsHook; };
-template <> struct AlibiOrNone<true> { using type = AlibiHook; };
+using NoLogitsHook = LogitsHook<false, false>;
 
 }  // namespace cuattn

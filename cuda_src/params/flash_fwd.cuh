@@ -8,6 +8,15 @@ namespace cuattn {
 // Strides are in elements. Fixed-length: cu_seqlens_* are null and row i of batch b is at
 // b * stride_batch + i * stride_row. Varlen: stride_batch is 0, seqlen_q = total_q, and
 // the rows of batch b start at cu_seqlens_*[b].
+// Paged K/V (paged_prefill, FlashFwdTraits KV != kKvDense): cu_seqlens_k is null, batch b
+// has seqused_k[b] keys, and key j lives in cache block block_tables[b][j >> block_shift]
+// at slot j & (2^block_shift - 1):
+//   NHD  K and V (num_blocks, block_size, num_heads_kv, head_dim): element d of key j at
+//        block * k_stride_block + slot * k_stride_row + kvh * k_stride_head + d;
+//   vLLM K (num_blocks, num_heads_kv, head_dim / 8, block_size, 8): 16-byte chunk c of a
+//        key at block * k_stride_block + kvh * k_stride_head + c * k_stride_chunk
+//        + slot * k_stride_row (= 8); V (num_blocks, num_heads_kv, head_dim, block_size):
+//        dim d at block * v_stride_block + kvh * v_stride_head + d * v_stride_dim + slot.
 struct FlashFwdParams {
   const void* q;              // [batch, seqlen_q, num_heads, head_dim] T (varlen: [total_q, num_heads, head_dim])
   const void* k;              // [batch, seqlen_k, num_heads_kv, head_dim] T (varlen: [total_k, ...])
@@ -17,12 +26,20 @@ struct FlashFwdParams {
   void* oaccum;               // [num_splits, total_q, num_heads, head_dim] float: split-KV partial outputs (else null)
   void* lseaccum;             // [num_splits, num_heads, total_q] float: split-KV partial lse (else null)
   const void* cu_seqlens_q;   // [batch + 1] int32 prefix sums (null = fixed length)
-  const void* cu_seqlens_k;   // [batch + 1] int32 prefix sums (null = fixed length)
+  const void* cu_seqlens_k;   // [batch + 1] int32 prefix sums (null = fixed length or paged)
+  const void* block_tables;   // [batch, max_blocks_per_seq] int32 (paged only)
+  const void* seqused_k;      // [batch] int32: keys of each sequence (paged only)
+  const void* alibi_slopes;   // [num_heads] float (ALiBi only)
+  const void* sinks;          // [num_heads] float: a logit per head in the denominator (sinks only)
   long long q_stride_batch, q_stride_row, q_stride_head;
   long long k_stride_batch, k_stride_row, k_stride_head;
   long long v_stride_batch, v_stride_row, v_stride_head;
   long long o_stride_batch, o_stride_row, o_stride_head;
   long long lse_stride_batch, lse_stride_head, lse_stride_row;
+  long long k_stride_block, v_stride_block;   // paged: between cache blocks
+  long long k_stride_chunk;   // between the 16-byte chunks of a key (dense and NHD: 8)
+  long long v_stride_dim;     // paged vLLM layout: between the dims of a V slot
+  long long bt_stride_seq;    // paged: block_tables row stride
   int batch;
   int num_heads;
   int head_group;             // num_heads / num_heads_kv: query head h reads kv head h / head_group
@@ -33,7 +50,12 @@ struct FlashFwdParams {
   int window_left;            // keys j >= i + sk - sq - window_left (a huge value = unbounded)
   int window_right;           // keys j <= i + sk - sq + window_right (a huge value = unbounded)
   int num_splits;             // split-KV: key tiles are divided among this many blocks
+  int block_shift;            // paged: log2(block_size)
+  int max_blocks_per_seq;     // paged: block_tables.shape[1] (seqused_k is clamped to its capacity)
   float scale_log2;           // softmax_scale * log2(e)
+  float softmax_scale_inv;    // 1 / softmax_scale: ALiBi slopes and sinks in raw-score units
+  float softcap_in;           // softcap: softmax_scale / cap (common/logits.cuh)
+  float softcap_out;          // softcap: cap / softmax_scale
 };
 
 }  // namespace cuattn

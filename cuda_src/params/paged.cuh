@@ -6,7 +6,10 @@
 
 namespace cuattn {
 
-// Strides are in elements. X = 16 / sizeof(CACHE_T) (vLLM's x-major K layout).
+// Strides are in elements. X = 16 / sizeof(CACHE_T) (vLLM's x-major K layout). The NHD
+// layout (tensor-core form, NHD: both caches [num_blocks, block_size, num_kv_heads,
+// HEAD_SIZE]) is the same K code with k_stride_x = 8 and k_stride_token the slot stride; its
+// V is read like its K (v_stride_token, v_stride_dim unused).
 struct PagedParams {
   void* out;                 // [num_seqs, num_heads, HEAD_SIZE]                 T (v1)
   void* lse;                 // [num_heads, num_seqs]                            float (v1, may be null)
@@ -18,20 +21,25 @@ struct PagedParams {
   const void* block_tables;  // [num_seqs, max_blocks_per_seq]                   int32
   const void* seq_lens;      // [num_seqs]                                       int32
   const void* alibi_slopes;  // [num_heads]                                      float (ALIBI only)
+  const void* sinks;         // [num_heads]                                      float (SINKS, v1 only)
   long long q_stride_seq, q_stride_head;
   long long out_stride_seq, out_stride_head;
   long long lse_stride_head, lse_stride_seq;
   long long k_stride_block, k_stride_head, k_stride_x, k_stride_token;
   long long v_stride_block, v_stride_head, v_stride_dim;
+  long long v_stride_token;  // NHD only
   long long bt_stride_seq;
   float scale_log2;          // softmax_scale * k_scale * log2(e), folded into q
   float v_scale;             // multiplies the output (1 for 16-bit caches)
+  float softcap_in;          // SOFTCAP: 1 / (cap * log2 e) (common/logits.cuh, log2 units)
+  float softcap_out;         // SOFTCAP: cap * log2 e
   int num_seqs;
   int num_heads;
   int gqa_ratio;             // num_heads / num_kv_heads
   int max_blocks_per_seq;    // block_tables.shape[1]: sequences are clamped to its capacity
   int max_parts;             // v2: partitions per sequence in tmp_out / tmp_lse
   int logits_stride;         // CUDA-core form: floats per head in the dynamic shared logits buffer
+  int window_left;           // keys j >= seq_len - 1 - window_left (a huge value = unbounded)
 };
 
 struct PagedReduceParams {
@@ -40,6 +48,7 @@ struct PagedReduceParams {
   const void* tmp_out;    // [num_seqs, num_heads, max_parts, HEAD_SIZE]      float
   const void* tmp_lse;    // [num_seqs, num_heads, max_parts]                 float, natural log
   const void* seq_lens;   // [num_seqs]                                       int32
+  const void* sinks;      // [num_heads]                                      float (SINKS only)
   long long out_stride_seq, out_stride_head;
   long long lse_stride_head, lse_stride_seq;
   int num_heads;

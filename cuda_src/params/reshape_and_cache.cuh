@@ -5,7 +5,9 @@
 
 namespace cuattn {
 
-// Strides are in elements; X = 16 / sizeof(CACHE_T).
+// Strides are in elements; X = 16 / sizeof(CACHE_T). vLLM's layouts are shown; the NHD
+// layout (both caches [num_blocks, block_size, num_kv_heads, head_size]) is the same code
+// with k_stride_x = X, v_stride_dim = 1 and the slot strides k/v_stride_token.
 struct ReshapeCacheParams {
   const void* key;           // [num_tokens, num_kv_heads, head_size]            T
   const void* value;         // [num_tokens, num_kv_heads, head_size]            T
@@ -15,7 +17,7 @@ struct ReshapeCacheParams {
   long long key_stride_token, key_stride_head;
   long long value_stride_token, value_stride_head;
   long long k_stride_block, k_stride_head, k_stride_x, k_stride_token;
-  long long v_stride_block, v_stride_head, v_stride_dim;
+  long long v_stride_block, v_stride_head, v_stride_dim, v_stride_token;
   float k_scale;             // fp8 caches only
   float v_scale;
   int num_tokens;

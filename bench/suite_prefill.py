@@ -1,0 +1,180 @@
+"""prefill suite: cuattn.paged_prefill against the same attention without paging, and
+speculative verification against single-token decode on the same cache (issue 11).
+
+bf16, head 128, 32 query / 8 KV heads, random block tables (a permutation of the cache's
+blocks). Kernel-only times (CUDA-graph replays, harness.median_ms graph=...) for every row.
+- prefill: chunks of CHUNK new tokens at the end of contexts of 4k, 16k, 32k tokens
+  (batch = 16384 // CHUNK, so about 16k new tokens run), layouts vllm/16, nhd/16, nhd/64,
+  beside flash_varlen_forward on the same K/V laid out contiguously (causal, bottom-right).
+  FLOPs = 4 * H * D * (keys each new token sees), summed. "varlen/paged" > 0.95 is the
+  target: what paging costs.
+- verify: 2, 4, 8 new tokens per sequence, batch 32 and 64, contexts 4k and 16k, vllm/16,
+  beside paged_attention (one token, same cache); L2 flushed ("clean") before every replay,
+  so K/V come from memory. "% read BW": K+V bytes / time over the read ceiling of this run.
+- hooks: softcap 30, sinks, and a window that covers every key (the cost of the window
+  code, not of fewer keys) against the same call without them.
+
+    python bench/run.py --suite prefill [--quick]
+"""
+from __future__ import annotations
+
+import cupy
+import numpy as np
+
+import cuattn
+from bench.harness import median_ms, randn
+
+NUM_HEADS, KV_HEADS, HEAD = 32, 8, 128
+CHUNK = 2048
+PREFILL_CONTEXTS = (4096, 16384, 32768)
+PREFILL_LAYOUTS = (("vllm", 16), ("nhd", 16), ("nhd", 64))
+VERIFY_Q = (2, 4, 8)
+VERIFY = ((32, 4096), (64, 4096), (32, 16384), (64, 16384))
+QUICK_PREFILL_CONTEXTS = (16384,)
+QUICK_VERIFY = ((32, 4096), (64, 16384))
+GRAPH_CALLS, GRAPH_REPS = 3, 10
+
+
+class PagedCase:
+    """batch sequences of ctx tokens each in a paged cache of ``layout`` / ``block_size``,
+    their K/V also contiguous (the same values), and q_len new tokens each at their end."""
+
+    def __init__(self, batch: int, ctx: int, q_len: int, layout: str, block_size: int,
+                 contiguous: bool = False):
+        self.batch, self.ctx, self.q_len, self.layout = batch, ctx, q_len, layout
+        bf16 = randn(1).dtype
+        nblk = ctx // block_size
+        num_blocks = batch * nblk
+        kshape, vshape = cuattn.paged_kv_cache_shapes(num_blocks, KV_HEADS, HEAD, block_size,
+                                                      bf16, kv_layout=layout)
+        self.k_cache = randn(*kshape)
+        self.v_cache = randn(*vshape)
+        self.block_tables = cupy.random.permutation(num_blocks).astype(np.int32).reshape(
+            batch, nblk)
+        self.seq_lens = cupy.full((batch,), ctx, dtype=np.int32)
+        self.cu_q = cupy.arange(0, (batch + 1) * q_len, q_len, dtype=np.int32)
+        self.q = randn(batch * q_len, NUM_HEADS, HEAD)
+        self.out = cupy.empty_like(self.q)
+        if contiguous:
+            self.k, self.v = self._gather(self.k_cache, "k"), self._gather(self.v_cache, "v")
+            self.cu_k = cupy.arange(0, (batch + 1) * ctx, ctx, dtype=np.int32)
+
+    def _gather(self, cache, which):
+        """(batch * ctx, KV_HEADS, HEAD) of the cache's tokens in sequence order."""
+        t = self.block_tables.reshape(-1)
+        if self.layout == "nhd":                          # (blocks, bs, h, d)
+            x = cache[t]
+        elif which == "k":                                # (blocks, h, d / 8, bs, 8)
+            x = cache[t].transpose(0, 3, 1, 2, 4)
+        else:                                             # (blocks, h, d, bs)
+            x = cache[t].transpose(0, 3, 1, 2)
+        return cupy.ascontiguousarray(x.reshape(-1, KV_HEADS, HEAD))
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.batch * self.ctx * KV_HEADS * HEAD * 2 * 2
+
+    @property
+    def flops(self) -> float:
+        keys = sum(self.ctx - self.q_len + i + 1 for i in range(self.q_len))
+        return 4.0 * self.batch * NUM_HEADS * HEAD * keys
+
+    def prefill(self, **kw):
+        return lambda: cuattn.paged_prefill(
+            self.q, self.k_cache, self.v_cache, self.block_tables, self.seq_lens, self.cu_q,
+            self.q_len, kv_layout=self.layout, out=self.out, **kw)
+
+
+def _graph_ms(fn, flush=False) -> float:
+    return median_ms(fn, graph=GRAPH_CALLS if not flush else 1, n_warmup=2, n_repeat=GRAPH_REPS,
+                     flush_l2="clean" if flush else False)
+
+
+def prefill_rows(quick: bool) -> list[dict]:
+    rows = []
+    for ctx in (QUICK_PREFILL_CONTEXTS if quick else PREFILL_CONTEXTS):
+        batch = 16384 // CHUNK
+        varlen_ms = None
+        for layout, bs in PREFILL_LAYOUTS:
+            case = PagedCase(batch, ctx, CHUNK, layout, bs, contiguous=varlen_ms is None)
+            if varlen_ms is None:
+                varlen_ms = _graph_ms(lambda: cuattn.flash_varlen_forward(
+                    case.q, case.k, case.v, case.cu_q, case.cu_k, CHUNK, ctx, causal=True,
+                    out=case.out))
+                del case.k, case.v
+            ms = _graph_ms(case.prefill())
+            rows.append({"config": f"{batch} x {CHUNK} new / ctx {ctx}", "layout": f"{layout}/{bs}",
+                         "paged us": ms * 1e3, "varlen us": varlen_ms * 1e3,
+                         "paged TFLOP/s": case.flops / ms / 1e9,
+                         "varlen/paged": varlen_ms / ms})
+            del case
+            cupy.get_default_memory_pool().free_all_blocks()
+    return rows
+
+
+def verify_rows(ceilings, quick: bool) -> list[dict]:
+    rows = []
+    for batch, ctx in (QUICK_VERIFY if quick else VERIFY):
+        case = PagedCase(batch, ctx, 1, "vllm", 16)
+        q1 = randn(batch, NUM_HEADS, HEAD)
+        out1 = cupy.empty_like(q1)
+        decode_ms = _graph_ms(lambda: cuattn.paged_attention(
+            q1, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, out=out1),
+            flush=True)
+        for q_len in VERIFY_Q:
+            case.q_len = q_len
+            case.q = randn(batch * q_len, NUM_HEADS, HEAD)
+            case.out = cupy.empty_like(case.q)
+            case.cu_q = cupy.arange(0, (batch + 1) * q_len, q_len, dtype=np.int32)
+            ms = _graph_ms(case.prefill(), flush=True)
+            gbps = case.kv_bytes / ms / 1e6
+            rows.append({"config": f"{batch} x ctx {ctx}", "new tokens": q_len,
+                         "verify us": ms * 1e3, "decode us": decode_ms * 1e3,
+                         "verify/decode": ms / decode_ms, "GB/s": gbps,
+                         "% read BW": 100 * gbps / ceilings.read_gbps})
+        del case
+        cupy.get_default_memory_pool().free_all_blocks()
+    return rows
+
+
+def hook_rows(quick: bool) -> list[dict]:
+    """Each hook against the same call without it (kernel-only)."""
+    rows = []
+    sinks = cupy.random.uniform(-1, 2, NUM_HEADS).astype(np.float32)
+    def hooks(ctx, right=0):
+        return (("softcap 30", dict(softcap=30.0)), ("sinks", dict(sinks=sinks)),
+                ("window, all keys", dict(window_size=(ctx, right))))
+    cases = [("prefill 8 x 2048 / ctx 16384 nhd/16", PagedCase(8, 16384, CHUNK, "nhd", 16))]
+    if not quick:
+        cases.append(("verify 4 new, 64 x ctx 4096", PagedCase(64, 4096, 4, "vllm", 16)))
+    for name, case in cases:
+        base = _graph_ms(case.prefill())
+        for hook, kw in hooks(case.ctx):
+            ms = _graph_ms(case.prefill(**kw))
+            rows.append({"call": f"paged_prefill {name}", "hook": hook, "us": ms * 1e3,
+                         "without us": base * 1e3, "cost": ms / base - 1})
+        del case
+    q, k, v = (randn(4, 4096, 32, 128) for _ in range(3))
+    out = cupy.empty_like(q)
+    for causal in (False, True):
+        call = dict(causal=causal, out=out)
+        base = _graph_ms(lambda: cuattn.flash_forward(q, k, v, **call))
+        for hook, kw in hooks(4096, 0 if causal else 4096):
+            ms = _graph_ms(lambda kw=kw: cuattn.flash_forward(q, k, v, **call, **kw))
+            rows.append({"call": f"flash_forward hd128 S4096 B4 {'causal' if causal else 'full'}",
+                         "hook": hook, "us": ms * 1e3, "without us": base * 1e3,
+                         "cost": ms / base - 1})
+    return rows
+
+
+def run(ceilings, quick: bool) -> list[dict]:
+    from bench.harness import format_table
+    prefill = prefill_rows(quick)
+    print(format_table(prefill, "prefill: paged_prefill vs flash_varlen_forward (graph)"),
+          flush=True)
+    verify = verify_rows(ceilings, quick)
+    print(format_table(verify, "verify: paged_prefill vs paged_attention (graph, L2 flushed)"),
+          flush=True)
+    hooks = hook_rows(quick)
+    print(format_table(hooks, "hooks: cost against the same call without (graph)"), flush=True)
+    return prefill + verify + hooks

@@ -1,0 +1,59 @@
+"""The checks of the options every attention function shares beyond plain attention:
+``softcap``, ``alibi_slopes`` and ``sinks`` (cuda_src/common/logits.cuh, the sinks of
+cuda_src/common/softmax.cuh's callers).
+
+- softcap: a float >= 0 (0: off). A scaled score s becomes softcap * tanh(s / softcap)
+  before the mask and the bias (Gemma 2; FlashAttention-2's softcap).
+- alibi_slopes: float32 (nheads,) on the call's device: the bias -slope * |i' - j| between
+  query position i' (bottom-right aligned) and key j (FlashAttention-2's ALiBi).
+- sinks: float32 (nheads,): a logit per head, in the units of the scaled scores, that joins
+  the softmax denominator and carries no value (gpt-oss's attention sinks); lse includes it.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from . import _arrays as A
+from .variants import FEAT_ALIBI, FEAT_SINKS, FEAT_SOFTCAP
+
+
+def check_softcap(value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"softcap: expected a float (0.0: off), got {type(value).__name__}")
+    value = float(value)
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"softcap: expected a finite float >= 0 (0.0: off), got {value}")
+    return value
+
+
+def check_head_vector(x, nheads: int, name: str, device_id: int) -> None:
+    """alibi_slopes / sinks: float32 (nheads,), 4-byte aligned, on the call's device."""
+    A.check_ndim(x, 1, name, "(nheads,)")
+    A.check_dtype(x, np.float32, name)
+    A.check_shape(x, (nheads,), name, "(nheads,)")
+    A.check_last_dim_contiguous(x, name)
+    A.check_aligned(x, 4, name)
+    A.check_same_device({name: x}, device_id)
+
+
+def check_hooks(softcap, alibi_slopes, sinks, nheads: int, device_id: int) -> tuple[int, float]:
+    """(the FEAT_* bits of the call, softcap as a float)."""
+    softcap = check_softcap(softcap)
+    features = FEAT_SOFTCAP if softcap > 0 else 0
+    if alibi_slopes is not None:
+        check_head_vector(alibi_slopes, nheads, "alibi_slopes", device_id)
+        features |= FEAT_ALIBI
+    if sinks is not None:
+        check_head_vector(sinks, nheads, "sinks", device_id)
+        features |= FEAT_SINKS
+    return features, softcap
+
+
+def hook_fields(softcap: float, unit: float) -> dict:
+    """The softcap constants of a kernel that keeps scores in units of ``unit`` (a score u
+    there is the scaled score u * unit): common/logits.cuh's cap_in and cap_out."""
+    if softcap == 0:
+        return dict(softcap_in=0.0, softcap_out=0.0)
+    return dict(softcap_in=unit / softcap, softcap_out=softcap / unit)

@@ -1,0 +1,142 @@
+"""paged_prefill: attention of new tokens against a paged KV cache (chunked prefill, prefix
+caching, speculative verification) in one call.
+
+The kernel is the flash forward (cuda_src/flash_fwd.cuh) with its paged K/V source and the
+query heads of one KV head packed into a block's rows, so that each K/V byte leaves memory
+once for the whole group, whatever the number of new tokens (cuattn.tuning.paged_prefill_*
+picks the tiles: few rows for speculative verification, the flash tiles for long chunks).
+Calls go through cuattn._launch: the checks below run once per call signature; values
+inside the arrays (seq_lens, block_tables, cu_seqlens_q) are never read on the host.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import _arrays as A
+from .. import tuning
+from .._dtypes import activation_dtype
+from .._hooks import check_hooks
+from .._launch import Plan, execute, plan_cache, plan_for
+from ..flash import Call, _check_cu_seqlens, _check_options
+from ..flash import _plan as flash_plan
+from ..jit import device_info
+from ..variants import KV_PAGED_NHD, KV_PAGED_VLLM
+from .layout import HEAD_SIZES, check_caches, check_layout, check_scale, check_tables
+
+_plans = plan_cache()
+_NAMES = ("q", "k_cache", "v_cache", "block_tables", "seq_lens", "cu_seqlens_q", "alibi_slopes",
+          "sinks", "out")
+_Q_DOC = "(total_q, nheads, head_size)"
+_MAX_SEQLEN = 2**29
+
+
+def paged_prefill(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, *,
+                  causal=True, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
+                  sinks=None, alibi_slopes=None, k_scale=1.0, v_scale=1.0, kv_layout="vllm",
+                  return_lse=False, num_splits=0, out=None, stream=None):
+    """Attention of the new tokens of each sequence against its whole paged context.
+
+    q: (total_q, nheads, head_size) float16 / bfloat16, the new tokens of every sequence
+        packed; cu_seqlens_q: int32 (num_seqs + 1,) their prefix sums; max_seqlen_q bounds
+        every sequence's new tokens (not checked against the device values).
+    k_cache, v_cache: the paged cache in ``kv_layout`` ("vllm" or "nhd", cuattn.paged.layout),
+        the query's dtype (16-bit caches), the new tokens already written (reshape_and_cache).
+    block_tables: int32 (num_seqs, max_blocks_per_seq); seq_lens: int32 (num_seqs,), each
+        sequence's whole length, new tokens included (clamped to the table's capacity).
+        Query i of sequence s sits at position seq_lens[s] - q_len[s] + i: causal is aligned
+        to the bottom-right corner, window_size = (left, right) around that diagonal.
+    softcap, alibi_slopes, sinks: cuattn._hooks. k_scale / v_scale: for fp8 caches (not yet
+        supported here); ignored for 16-bit caches, as in vLLM. num_splits: split-KV (0: the
+        tuning rule). Returns out (like q), or (out, lse) with lse float32 (nheads, total_q),
+        natural log: the layout merge_attn_states takes.
+    """
+    options = (max_seqlen_q, causal, softmax_scale, window_size, softcap, k_scale, v_scale,
+               kv_layout, return_lse, num_splits)
+    plan, arrays, stream, ptrs = plan_for(
+        _plans, (q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, alibi_slopes, sinks,
+                 out), _NAMES, options, lambda arrays: _plan(arrays, *options), stream, 6)
+    return execute(plan, arrays, stream, ptrs)
+
+
+def _plan(arrays, max_seqlen_q, causal, softmax_scale, window_size, softcap, k_scale, v_scale,
+          kv_layout, return_lse, num_splits) -> Plan:
+    """Every check of paged_prefill (raising before any launch) -> its Plan."""
+    q, k_cache, v_cache, block_tables, seq_lens, cu_q, alibi_slopes, sinks, out = arrays
+    A.check_ndim(q, 3, "q", _Q_DOC)
+    dtype = activation_dtype(q.dtype, "q")
+    total_q, nheads, head_size = q.shape
+    if head_size not in HEAD_SIZES:
+        raise ValueError(f"q: head_size {head_size} is not supported; expected one of {HEAD_SIZES}")
+    if nheads == 0:
+        raise ValueError(f"q: expected at least one head, got shape {tuple(q.shape)}")
+    A.check_last_dim_contiguous(q, "q")
+    A.check_aligned(q, 16, "q")
+    kv_layout = check_layout(kv_layout)
+    info = check_caches(k_cache, v_cache, dtype, head_size, kv_layout)
+    if info.cache == "e4m3":
+        raise TypeError("k_cache: fp8 caches are not supported by paged_prefill yet; "
+                        "expected the query's dtype")
+    check_scale(k_scale, "k_scale")
+    check_scale(v_scale, "v_scale")
+    if info.num_kv_heads == 0 or nheads % info.num_kv_heads:
+        raise ValueError(f"q: nheads {nheads} is not a multiple of the caches' nheads_kv "
+                         f"{info.num_kv_heads}")
+    _check_cu_seqlens(cu_q, "cu_seqlens_q")
+    num_seqs = cu_q.shape[0] - 1
+    check_tables(block_tables, seq_lens, num_seqs)   # num_seqs: cu_seqlens_q has num_seqs + 1
+    if isinstance(max_seqlen_q, bool) or not isinstance(max_seqlen_q, (int, np.integer)):
+        raise TypeError(f"max_seqlen_q: expected an int, got {type(max_seqlen_q).__name__}")
+    if not 0 <= max_seqlen_q < _MAX_SEQLEN:
+        raise ValueError(f"max_seqlen_q: expected 0 <= max_seqlen_q < 2**29, got {max_seqlen_q}")
+    max_seqlen_q = int(max_seqlen_q)
+    max_blocks = block_tables.shape[1]
+    max_context = max_blocks * info.block_size
+    if max_context >= _MAX_SEQLEN:
+        raise ValueError(f"block_tables: max_blocks_per_seq * block_size = {max_context} must "
+                         "be < 2**29")
+    softmax_scale, left, right, num_splits, return_lse = _check_options(
+        causal, softmax_scale, window_size, num_splits, return_lse, head_size)
+    device_id = q.device.id
+    A.check_same_device({"k_cache": k_cache, "v_cache": v_cache, "block_tables": block_tables,
+                         "seq_lens": seq_lens, "cu_seqlens_q": cu_q}, device_id)
+    features, softcap = check_hooks(softcap, alibi_slopes, sinks, nheads, device_id)
+    if out is not None:
+        A.check_output(out, q.shape, q.dtype, "out", _Q_DOC, device_id, align=16)
+
+    os_ = A.element_strides_or_contiguous(out, q.shape)
+    qs = A.element_strides(q)
+    lse_shape = (nheads, total_q)
+    ls = A.element_strides_or_contiguous(None, lse_shape) if return_lse else (0, 0)
+    ks, vs = A.element_strides(k_cache), A.element_strides(v_cache)
+    if kv_layout == "nhd":    # (num_blocks, block_size, nheads_kv, head_size)
+        kv = KV_PAGED_NHD
+        cache = dict(k_stride_block=ks[0], k_stride_row=ks[1], k_stride_head=ks[2],
+                     v_stride_block=vs[0], v_stride_row=vs[1], v_stride_head=vs[2],
+                     k_stride_chunk=8, v_stride_dim=0)
+    else:                     # K (blocks, heads, head_size / 8, block_size, 8), V (blocks, heads, head_size, block_size)
+        kv = KV_PAGED_VLLM
+        cache = dict(k_stride_block=ks[0], k_stride_head=ks[1], k_stride_chunk=ks[2],
+                     k_stride_row=ks[3], v_stride_block=vs[0], v_stride_head=vs[1],
+                     v_stride_dim=vs[2], v_stride_row=1)
+    fields = dict(
+        q_stride_batch=0, q_stride_row=qs[0], q_stride_head=qs[1], k_stride_batch=0,
+        v_stride_batch=0, o_stride_batch=0, o_stride_row=os_[0], o_stride_head=os_[1],
+        lse_stride_batch=0, lse_stride_head=ls[0], lse_stride_row=ls[1],
+        bt_stride_seq=block_tables.strides[0] // 4, block_shift=info.block_size.bit_length() - 1,
+        max_blocks_per_seq=max_blocks, seqlen_q=max(total_q, 1), seqlen_k=0, **cache)
+    group = nheads // info.num_kv_heads
+    arch = device_info(device_id).arch
+
+    def variant_for(split: bool, mask: int):
+        return tuning.paged_prefill_variant(dtype.short, head_size, mask=mask, split=split,
+                                            arch=arch, kv=kv, features=features,
+                                            rows=max_seqlen_q * group)
+    return flash_plan(Call(
+        device_id=device_id, dtype=dtype, q=q, nheads_kv=info.num_kv_heads, out=out,
+        lse_shape=lse_shape if return_lse else None, num_args=len(arrays), out_arg=8,
+        args=dict(q=0, k=1, v=2, block_tables=3, seqused_k=4, cu_seqlens_q=5, alibi_slopes=6,
+                  sinks=7),
+        causal=bool(causal), softmax_scale=softmax_scale, left=left, right=right,
+        num_splits=num_splits, features=features, softcap=softcap, batch=num_seqs,
+        max_sq=max_seqlen_q, max_sk=max_context, total_q=total_q, fields=fields,
+        variant_for=variant_for, pack=group))

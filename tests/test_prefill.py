@@ -1,0 +1,446 @@
+"""paged_prefill, the NHD cache layout, and the hooks (softcap, ALiBi, sinks, windows) of the
+attention functions.
+
+CPU: every reachable paged_prefill form and every hooked flash form compiles without spills;
+the tile rule; the NHD shapes. GPU (marker ``gpu``): a float64 NumPy reference
+(tests/reference.py attention_reference) over K/V gathered token by token through the block
+table by plain indexing of the documented layouts, independent of the library's layout
+code; every slot a sequence must not read holds NaN.
+"""
+from __future__ import annotations
+
+import math
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import cuattn
+from cuattn import tuning
+from cuattn.variants import FEAT_ALIBI, FEAT_SINKS, FEAT_SOFTCAP, KV_PAGED_NHD, KV_PAGED_VLLM
+from tests.compiled import compile_reports, unclean
+from tests.reference import attention_reference, check_attention, merge_reference, tolerance
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+DTYPES = {"f16": np.dtype(np.float16), "bf16": BF16}
+ALL_HOOKS = FEAT_SOFTCAP | FEAT_ALIBI | FEAT_SINKS
+
+
+# -- CPU --------------------------------------------------------------------------------------
+
+def _prefill_forms():
+    """Every tile class (few rows, long chunks) x layout x mask x split, plain and hooked,
+    at head sizes 64, 80, 128, 192, 256."""
+    out = []
+    for hs in (64, 80, 128, 192, 256):
+        for kv in (KV_PAGED_NHD, KV_PAGED_VLLM):
+            for rows in (8, 32, 64, 2048):
+                for mask, split in ((0, False), (1, False), (2, False), (1, True)):
+                    for features in (0, ALL_HOOKS):
+                        out.append(tuning.paged_prefill_variant(
+                            "bf16", hs, mask=mask, split=split, arch="sm_90", kv=kv,
+                            features=features, rows=rows))
+    return list(dict.fromkeys(out))
+
+
+def test_prefill_forms_compile_for_sm90_without_spills():
+    assert unclean(compile_reports(_prefill_forms(), "sm_90")) == []
+
+
+def test_hooked_flash_forms_compile_for_sm90_without_spills():
+    forms = [tuning.flash_forward_variant("bf16", hd, mask=mask, split=split, arch="sm_90",
+                                          features=f)
+             for hd in tuning.FLASH_HEAD_DIMS for mask in (0, 1, 2) for split in (False, True)
+             for f in (FEAT_SOFTCAP, FEAT_ALIBI | FEAT_SINKS)]
+    assert unclean(compile_reports(list(dict.fromkeys(forms)), "sm_90")) == []
+
+
+def test_prefill_tile_rule():
+    few = tuning.paged_prefill_variant("bf16", 128, mask=1, split=False, arch="sm_90",
+                                       kv=KV_PAGED_VLLM, features=0, rows=8)
+    assert (few.block_m, few.num_warps) == (16, 1) and few.name.endswith("_vllm_gqa")
+    long = tuning.paged_prefill_variant("bf16", 128, mask=1, split=False, arch="sm_90",
+                                        kv=KV_PAGED_NHD, features=FEAT_SINKS, rows=8192)
+    assert long.block_m == 64 and long.name.endswith("_nhd_sink_gqa")
+    wide = tuning.paged_prefill_variant("bf16", 256, mask=1, split=False, arch="sm_90",
+                                        kv=KV_PAGED_VLLM, features=0, rows=8192)
+    assert wide.block_n >= 32   # vLLM's V tile: rows of >= 4 chunks
+
+
+def test_nhd_cache_shapes():
+    k, v = cuattn.paged_kv_cache_shapes(10, 4, 128, 1, BF16, kv_layout="nhd")
+    assert k == v == (10, 1, 4, 128)
+    k, v = cuattn.paged_kv_cache_shapes(3, 2, 64, 256, np.float16, kv_layout="nhd")
+    assert k == (3, 256, 2, 64)
+    with pytest.raises(ValueError, match="block_size"):
+        cuattn.paged_kv_cache_shapes(3, 2, 64, 48, np.float16, kv_layout="nhd")
+    with pytest.raises(ValueError, match="kv_layout"):
+        cuattn.paged_kv_cache_shapes(3, 2, 64, 16, np.float16, kv_layout="hnd")
+
+
+# -- the paged cache of a batch, by plain indexing ---------------------------------------------
+
+def write_tokens(k_cache, v_cache, layout, blk, off, k, v):
+    """Tokens (n, nkv, hs) into slots (blk, off) of the documented layouts."""
+    if layout == "nhd":          # [blk, off, h, d]
+        k_cache[blk, off] = k
+        v_cache[blk, off] = v
+    else:                        # K [blk, h, d // x, off, d % x], V [blk, h, d, off]
+        x = k_cache.shape[4]
+        n, nkv, hs = k.shape
+        k_cache[blk, :, :, off, :] = k.reshape(n, nkv, hs // x, x)
+        v_cache[blk, :, :, off] = v
+
+
+def make_batch(rng, *, contexts, q_lens, nkv, group, head_size, block_size, dtype, layout,
+               extra_table=2, shared_prefix=0):
+    """Host arrays of one paged_prefill batch: sequence s has contexts[s] tokens in the cache
+    (its last q_lens[s] being the new ones) in shuffled physical blocks; NaN in every slot a
+    sequence must not read (past its length, unreferenced blocks, table entries past its
+    end). shared_prefix > 0: every sequence's first shared_prefix tokens (whole blocks) are
+    the same blocks of the cache."""
+    dt = DTYPES[dtype]
+    nheads = nkv * group
+    bps = [-(-n // block_size) for n in contexts]
+    shared_blocks = shared_prefix // block_size
+    max_blocks = max(bps) + extra_table
+    own = sum(b - shared_blocks for b in bps)
+    num_blocks = shared_blocks + own + 5
+    perm = rng.permutation(num_blocks)
+    nan_block = int(perm[-1])
+    kshape, vshape = cuattn.paged_kv_cache_shapes(num_blocks, nkv, head_size, block_size, dt,
+                                                  kv_layout=layout)
+    k_cache = np.full(kshape, np.nan, dt)
+    v_cache = np.full(vshape, np.nan, dt)
+    block_tables = np.full((len(contexts), max_blocks), nan_block, np.int32)
+    prefix_k = rng.standard_normal((shared_prefix, nkv, head_size)).astype(dt)
+    prefix_v = rng.standard_normal((shared_prefix, nkv, head_size)).astype(dt)
+    nxt = shared_blocks
+    ks, vs = [], []
+    for s, n in enumerate(contexts):
+        block_tables[s, :shared_blocks] = perm[:shared_blocks]
+        block_tables[s, shared_blocks:bps[s]] = perm[nxt:nxt + bps[s] - shared_blocks]
+        nxt += bps[s] - shared_blocks
+        k = rng.standard_normal((n, nkv, head_size)).astype(dt)
+        v = rng.standard_normal((n, nkv, head_size)).astype(dt)
+        k[:shared_prefix], v[:shared_prefix] = prefix_k[:n], prefix_v[:n]
+        tok = np.arange(n)
+        write_tokens(k_cache, v_cache, layout, block_tables[s, tok // block_size],
+                     tok % block_size, k, v)
+        ks.append(k)
+        vs.append(v)
+    q = rng.standard_normal((sum(q_lens), nheads, head_size)).astype(dt)
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    return dict(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables,
+                seq_lens=np.array(contexts, np.int32), cu_seqlens_q=cu, ks=ks, vs=vs,
+                max_seqlen_q=max(q_lens, default=0))
+
+
+def batch_reference(b, scale, **hooks):
+    """Per sequence attention_reference of its new tokens over its whole context."""
+    outs, lses = [], []
+    for s in range(len(b["ks"])):
+        q = b["q"][b["cu_seqlens_q"][s]:b["cu_seqlens_q"][s + 1]]
+        o, lse = attention_reference(q, b["ks"][s], b["vs"][s], scale, **hooks)
+        outs.append(o)
+        lses.append(lse)
+    return np.concatenate(outs), np.concatenate(lses, axis=1)
+
+
+def check(out, lse, ref, ref_lse, dtype):
+    check_attention(out, lse, ref, ref_lse, DTYPES[dtype])
+
+
+def on_device(b, kw):
+    """The batch's arrays and the hooks' arrays of ``kw`` as CuPy arrays."""
+    import cupy as cp
+    for name in ("alibi_slopes", "sinks"):
+        if kw.get(name) is not None:
+            kw[name] = cp.asarray(kw[name])
+    return {k: cp.asarray(v) for k, v in b.items() if isinstance(v, np.ndarray)}
+
+
+def run_prefill(b, **kw):
+    import cupy as cp
+    d = on_device(b, kw)
+    out = cp.full(b["q"].shape, np.nan, dtype=b["q"].dtype)
+    res, lse = cuattn.paged_prefill(
+        d["q"], d["k_cache"], d["v_cache"], d["block_tables"], d["seq_lens"],
+        d["cu_seqlens_q"], b["max_seqlen_q"], return_lse=True, out=out, **kw)
+    assert res is out and lse.shape == (b["q"].shape[1], b["q"].shape[0])
+    return out, lse
+
+
+def hook_values(rng, nheads, which):
+    """softcap / alibi_slopes / sinks values for the hooks named in ``which``."""
+    kw = {}
+    if "softcap" in which:
+        kw["softcap"] = 4.0
+    if "alibi" in which:
+        kw["alibi_slopes"] = (2.0 ** -(8.0 * np.arange(1, nheads + 1) / nheads)).astype(np.float32)
+    if "sinks" in which:
+        kw["sinks"] = rng.uniform(-2, 3, nheads).astype(np.float32)
+    return kw
+
+
+def _ref_kw(kw):
+    return dict(softcap=kw.get("softcap", 0.0), alibi=kw.get("alibi_slopes"),
+                sinks=kw.get("sinks"))
+
+
+# -- GPU: paged_prefill ------------------------------------------------------------------------
+
+MIXED_Q = [1, 2, 16, 0, 5, 700]          # speculative, empty and chunk-sized queries in one batch
+MIXED_CTX = [40, 3000, 16, 7, 1030, 2000]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout,block_size", [("vllm", 8), ("vllm", 16), ("vllm", 32),
+                                               ("nhd", 1), ("nhd", 16), ("nhd", 256)])
+def test_mixed_query_lengths_both_layouts(rng, layout, block_size):
+    b = make_batch(rng, contexts=MIXED_CTX, q_lens=MIXED_Q, nkv=2, group=4, head_size=128,
+                   block_size=block_size, dtype="bf16", layout=layout)
+    scale = 1 / math.sqrt(128)
+    out, lse = run_prefill(b, kv_layout=layout)
+    check(out, lse, *batch_reference(b, scale, causal=True), "bf16")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_size,group,dtype", [(64, 1, "f16"), (80, 8, "bf16"),
+                                                   (96, 2, "f16"), (192, 4, "bf16"),
+                                                   (256, 2, "bf16")])
+@pytest.mark.parametrize("q_lens", [[3, 1, 8], [300, 17, 64]], ids=["spec", "chunk"])
+@pytest.mark.parametrize("layout", ["vllm", "nhd"])
+def test_head_sizes_groups_dtypes(rng, head_size, group, dtype, q_lens, layout):
+    b = make_batch(rng, contexts=[500, 33, 129], q_lens=q_lens, nkv=2, group=group,
+                   head_size=head_size, block_size=16, dtype=dtype, layout=layout)
+    out, lse = run_prefill(b, kv_layout=layout)
+    check(out, lse, *batch_reference(b, 1 / math.sqrt(head_size), causal=True), dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("which", ["softcap", "alibi", "sinks", "softcap+alibi+sinks"])
+@pytest.mark.parametrize("causal,window", [(True, (-1, -1)), (False, (-1, -1)),
+                                           (True, (100, 0)), (False, (64, 16))])
+@pytest.mark.parametrize("num_splits", [0, 3])
+def test_prefill_hooks_windows_and_splits(rng, which, causal, window, num_splits):
+    b = make_batch(rng, contexts=[900, 20, 400], q_lens=[2, 20, 130], nkv=2, group=4,
+                   head_size=128, block_size=16, dtype="bf16", layout="nhd")
+    kw = hook_values(rng, 8, which)
+    scale = 0.3
+    out, lse = run_prefill(b, kv_layout="nhd", causal=causal, window_size=window,
+                           softmax_scale=scale, num_splits=num_splits, **kw)
+    ref = batch_reference(b, scale, causal=causal, window=window, **_ref_kw(kw))
+    check(out, lse, *ref, "bf16")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["vllm", "nhd"])
+def test_prefix_sharing(rng, layout):
+    b = make_batch(rng, contexts=[700, 1200], q_lens=[100, 4], nkv=1, group=8, head_size=64,
+                   block_size=16, dtype="f16", layout=layout, shared_prefix=512)
+    assert (b["block_tables"][0, :32] == b["block_tables"][1, :32]).all()
+    out, lse = run_prefill(b, kv_layout=layout)
+    check(out, lse, *batch_reference(b, 1 / 8, causal=True), "f16")
+
+
+@pytest.mark.gpu
+def test_lse_merges_with_merge_attn_states(rng):
+    """Keys split into two disjoint cached parts (two 'sequences' over the same queries):
+    the two partial results merged equal attention over the union."""
+    n, split_at, q_len, bs = 1500, 592, 37, 16      # split_at: a whole number of blocks
+    b = make_batch(rng, contexts=[n], q_lens=[q_len], nkv=2, group=2, head_size=128,
+                   block_size=bs, dtype="bf16", layout="vllm")
+    ref, ref_lse = batch_reference(b, 1 / math.sqrt(128), causal=False)
+    # part A: keys [0, split_at), part B: keys [split_at, n) as a sequence of its own
+    table = b["block_tables"][0]
+    outs, lses = [], []
+    for first_block, length in ((0, split_at), (split_at // bs, n - split_at)):
+        part = dict(b, block_tables=np.ascontiguousarray(table[None, first_block:]),
+                    seq_lens=np.array([length], np.int32))
+        o, lse = run_prefill(part, causal=False)
+        outs.append(o)
+        lses.append(lse)
+    merged, merged_lse = cuattn.merge_attn_states(outs[0], lses[0], outs[1], lses[1])
+    check(merged, merged_lse, ref, ref_lse, "bf16")
+    _, m_lse = merge_reference(np.stack([o.get() for o in outs]),
+                               np.stack([lse.get() for lse in lses]))
+    assert np.allclose(m_lse, ref_lse, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout,block_size", [("vllm", 16), ("nhd", 64)])
+def test_chunked_prefill_equals_one_flash_forward(rng, layout, block_size):
+    """A 10,000-token prompt written (reshape_and_cache) and attended in chunks of 1024
+    equals one causal flash_forward over the whole prompt, by FlashAttention's rule against
+    a float32 reference."""
+    import cupy as cp
+    n, chunk, nkv, group, hs = 10_000, 1024, 2, 2, 64
+    nheads = nkv * group
+    q = cp.asarray(rng.standard_normal((n, nheads, hs)), dtype=cp.float16)
+    k = cp.asarray(rng.standard_normal((n, nkv, hs)), dtype=cp.float16)
+    v = cp.asarray(rng.standard_normal((n, nkv, hs)), dtype=cp.float16)
+    num_blocks = -(-n // block_size) + 3
+    kshape, vshape = cuattn.paged_kv_cache_shapes(num_blocks, nkv, hs, block_size, np.float16,
+                                                  kv_layout=layout)
+    k_cache = cp.full(kshape, np.nan, cp.float16)
+    v_cache = cp.full(vshape, np.nan, cp.float16)
+    table = cp.asarray(rng.permutation(num_blocks)[None, :], dtype=cp.int32)
+    out = cp.empty_like(q)
+    for lo in range(0, n, chunk):
+        hi = min(n, lo + chunk)
+        tok = cp.arange(lo, hi)
+        slots = (table[0, tok // block_size] * block_size + tok % block_size).astype(cp.int64)
+        cuattn.reshape_and_cache(k[lo:hi], v[lo:hi], k_cache, v_cache, slots, kv_layout=layout)
+        cu = cp.asarray([0, hi - lo], dtype=cp.int32)
+        cuattn.paged_prefill(q[lo:hi], k_cache, v_cache, table,
+                             cp.asarray([hi], dtype=cp.int32), cu, hi - lo, kv_layout=layout,
+                             out=out[lo:hi])
+    whole = cuattn.flash_forward(q[None], k[None], v[None], causal=True)[0]
+    ref = _causal_reference_f32(q, k, v, group)
+    err_flash = float(cp.abs(whole.astype(cp.float32) - ref).max())
+    err_chunked = float(cp.abs(out.astype(cp.float32) - ref).max())
+    assert err_chunked <= tolerance(err_flash, 1e-3), (err_chunked, err_flash)
+
+
+def _causal_reference_f32(q, k, v, group):
+    """Causal attention in float32 on the device, 1024 queries at a time."""
+    import cupy as cp
+    n, nheads, hs = q.shape
+    out = cp.empty((n, nheads, hs), cp.float32)
+    qf, kf, vf = (x.astype(cp.float32) for x in (q, k, v))
+    for h in range(nheads):
+        for lo in range(0, n, 1024):
+            hi = min(n, lo + 1024)
+            s = qf[lo:hi, h] @ kf[:hi, h // group].T / math.sqrt(hs)
+            s = cp.where(cp.arange(hi)[None, :] <= cp.arange(lo, hi)[:, None], s, -cp.inf)
+            p = cp.exp(s - s.max(axis=1, keepdims=True))
+            out[lo:hi, h] = (p @ vf[:hi, h // group]) / p.sum(axis=1, keepdims=True)
+    return out
+
+
+@pytest.mark.gpu
+def test_captured_in_a_cuda_graph_replays_with_new_lengths(rng):
+    import cupy as cp
+    b = make_batch(rng, contexts=[300, 64], q_lens=[4, 4], nkv=2, group=4, head_size=128,
+                   block_size=16, dtype="bf16", layout="nhd")
+    d = {k: cp.asarray(v) for k, v in b.items() if isinstance(v, np.ndarray)}
+    out = cp.zeros(b["q"].shape, b["q"].dtype)
+    stream = cp.cuda.Stream(non_blocking=True)
+    cp.cuda.Device().synchronize()
+    args = (d["q"], d["k_cache"], d["v_cache"], d["block_tables"], d["seq_lens"],
+            d["cu_seqlens_q"], 4)
+    with stream:
+        cuattn.paged_prefill(*args, kv_layout="nhd", out=out)   # compile and plan outside
+        stream.begin_capture()
+        cuattn.paged_prefill(*args, kv_layout="nhd", out=out)
+        graph = stream.end_capture()
+    b["seq_lens"] = np.array([200, 50], np.int32)
+    b["ks"] = [b["ks"][0][:200], b["ks"][1][:50]]
+    b["vs"] = [b["vs"][0][:200], b["vs"][1][:50]]
+    d["seq_lens"][...] = cp.asarray(b["seq_lens"])
+    cp.cuda.Device().synchronize()
+    graph.launch(stream)
+    stream.synchronize()
+    check(out, None, *batch_reference(b, 1 / math.sqrt(128), causal=True), "bf16")
+
+
+@pytest.mark.gpu
+def test_nhd_reshape_and_cache_round_trip(rng):
+    import cupy as cp
+    nkv, hs, bs = 3, 128, 4
+    key = cp.asarray(rng.standard_normal((9, nkv, hs)), dtype=cp.float16)
+    value = cp.asarray(rng.standard_normal((9, nkv, hs)), dtype=cp.float16)
+    kshape, vshape = cuattn.paged_kv_cache_shapes(6, nkv, hs, bs, np.float16, kv_layout="nhd")
+    kc, vc = cp.full(kshape, np.nan, cp.float16), cp.full(vshape, np.nan, cp.float16)
+    slots = cp.asarray([5, 0, 23, -1, 7, 8, 9, 12, 1], dtype=cp.int32)
+    cuattn.reshape_and_cache(key, value, kc, vc, slots, kv_layout="nhd")
+    kh, vh, sh = kc.get(), vc.get(), slots.get()
+    for i, s in enumerate(sh):
+        if s < 0:
+            continue
+        assert np.array_equal(kh[s // bs, s % bs], key[i].get())
+        assert np.array_equal(vh[s // bs, s % bs], value[i].get())
+    assert np.isnan(kh[1, 2]).all()   # slot 6 was never written
+
+
+# -- GPU: the hooks on flash_forward / flash_varlen_forward ----------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("which", ["softcap", "alibi", "sinks", "softcap+alibi+sinks"])
+@pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)),
+                                           (False, (50, 30))])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_flash_hooks(rng, which, causal, window, head_dim):
+    import cupy as cp
+    batch, sq, sk, nheads, nkv = 2, 77, 300, 4, 2
+    q = rng.standard_normal((batch, sq, nheads, head_dim)).astype(BF16)
+    k = rng.standard_normal((batch, sk, nkv, head_dim)).astype(BF16)
+    v = rng.standard_normal((batch, sk, nkv, head_dim)).astype(BF16)
+    kw = hook_values(rng, nheads, which)
+    dkw = {n: (cp.asarray(x) if isinstance(x, np.ndarray) else x) for n, x in kw.items()}
+    scale = 1 / math.sqrt(head_dim)
+    for num_splits in (1, 4):
+        out, lse = cuattn.flash_forward(cp.asarray(q), cp.asarray(k), cp.asarray(v),
+                                        causal=causal, window_size=window, return_lse=True,
+                                        num_splits=num_splits, **dkw)
+        for bi in range(batch):
+            ref, ref_lse = attention_reference(q[bi], k[bi], v[bi], scale, causal=causal,
+                                               window=window, **_ref_kw(kw))
+            check(out[bi], lse[bi], ref, ref_lse, "bf16")
+
+
+@pytest.mark.gpu
+def test_flash_varlen_hooks_with_empty_sequences(rng):
+    import cupy as cp
+    lens_q, lens_k, nheads, hd = [5, 0, 40, 1], [9, 0, 100, 0], 8, 128
+    cu_q = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int32)
+    q = rng.standard_normal((cu_q[-1], nheads, hd)).astype(np.float16)
+    k = rng.standard_normal((cu_k[-1], 2, hd)).astype(np.float16)
+    v = rng.standard_normal((cu_k[-1], 2, hd)).astype(np.float16)
+    kw = hook_values(rng, nheads, "softcap+alibi+sinks")
+    dkw = {n: (cp.asarray(x) if isinstance(x, np.ndarray) else x) for n, x in kw.items()}
+    out, lse = cuattn.flash_varlen_forward(
+        cp.asarray(q), cp.asarray(k), cp.asarray(v), cp.asarray(cu_q), cp.asarray(cu_k),
+        max(lens_q), max(lens_k), causal=True, return_lse=True, **dkw)
+    refs = [attention_reference(q[cu_q[i]:cu_q[i + 1]], k[cu_k[i]:cu_k[i + 1]],
+                                v[cu_k[i]:cu_k[i + 1]], 1 / math.sqrt(hd), causal=True,
+                                **_ref_kw(kw)) for i in range(len(lens_q))]
+    check(out, lse, np.concatenate([r[0] for r in refs]),
+          np.concatenate([r[1] for r in refs], axis=1), "f16")
+
+
+# -- GPU: paged_attention (decode) with the hooks, windows and the NHD layout -------------------
+
+def run_decode(b, **kw):
+    import cupy as cp
+    d = on_device(b, kw)
+    out = cp.full(b["q"].shape, np.nan, dtype=b["q"].dtype)
+    res, lse = cuattn.paged_attention(d["q"], d["k_cache"], d["v_cache"], d["block_tables"],
+                                      d["seq_lens"], return_lse=True, out=out, **kw)
+    assert res is out
+    return out, lse
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout,block_size,form", [("vllm", 16, "mma"), ("vllm", 8, "simt"),
+                                                    ("nhd", 1, "mma"), ("nhd", 32, "mma"),
+                                                    ("nhd", 256, "mma")])
+@pytest.mark.parametrize("which", ["", "softcap", "sinks", "softcap+alibi+sinks"])
+@pytest.mark.parametrize("version", ["v1", "v2"])
+@pytest.mark.parametrize("window", [(-1, -1), (300, 0)])
+def test_decode_hooks_windows_and_layouts(rng, layout, block_size, form, which, version, window):
+    contexts = [1, 700, 0, 2049, 17]
+    b = make_batch(rng, contexts=contexts, q_lens=[1] * len(contexts), nkv=2, group=4,
+                   head_size=128, block_size=block_size, dtype="bf16", layout=layout)
+    kw = hook_values(rng, 8, which)
+    with tuning.override(paged_form=form):
+        out, lse = run_decode(b, kv_layout=layout, window_size=window, version=version,
+                              partition_size=256 if version == "v2" else None, **kw)
+    # the decode query of sequence s sits at position seq_lens[s] - 1; an empty one sees nothing
+    refs = [attention_reference(b["q"][s:s + 1], b["ks"][s], b["vs"][s], 1 / math.sqrt(128),
+                                causal=True, window=window, **_ref_kw(kw))
+            for s in range(len(contexts))]
+    check(out, lse, np.concatenate([r[0] for r in refs]),
+          np.concatenate([r[1] for r in refs], axis=1), "bf16")
