@@ -40,7 +40,10 @@ command -v "$cs" > /dev/null || { echo "sanitize.sh: $cs not found (set COMPUTE_
 # flash form (plain, causal, window); paged v1/v2 with one and many partitions (128..1024),
 # partial last KV blocks at block sizes 8/16/32, empty sequences, GQA 1..16, fp8, ALiBi,
 # both forms of the paged kernel (tensor-core, CUDA-core) on odd groups;
-# reshape_and_cache; merge (pair, stacked, +/-inf); CUDA-graph replays of all of them.
+# reshape_and_cache; merge (pair, stacked, +/-inf); CUDA-graph replays of all of them;
+# paged_prefill (both layouts, block sizes 1 and 8, few and many rows, split + sinks, every
+# hook, prefix sharing, graph replay), NHD reshape_and_cache, the hooks on flash and on
+# both decode forms (v1 and v2, NHD block sizes 1 and 256, windows).
 reduced="tests/test_merge.py
  tests/test_flash.py::test_small_against_numpy_float64
  tests/test_flash.py::test_seqlen_k_zero_and_no_key_rows
@@ -58,7 +61,22 @@ reduced="tests/test_merge.py
  tests/test_paged.py::test_fp8_cache tests/test_paged.py::test_partition_sizes_and_gqa_16
  tests/test_paged.py::test_alibi tests/test_paged.py::test_reshape_and_cache_round_trip
  tests/test_paged.py::test_both_forms tests/test_paged.py::test_large_scores_and_one_dominant_token
- tests/test_stress.py::test_graph_replay_with_new_data_equals_eager"
+ tests/test_stress.py::test_graph_replay_with_new_data_equals_eager
+ tests/test_prefill.py::test_mixed_query_lengths_both_layouts[vllm-8]
+ tests/test_prefill.py::test_mixed_query_lengths_both_layouts[nhd-1]
+ tests/test_prefill.py::test_head_sizes_groups_dtypes[vllm-spec-192-4-bf16]
+ tests/test_prefill.py::test_head_sizes_groups_dtypes[nhd-chunk-96-2-f16]
+ tests/test_prefill.py::test_prefill_hooks_windows_and_splits[3-True-window0-softcap+alibi+sinks]
+ tests/test_prefill.py::test_prefill_hooks_windows_and_splits[0-False-window3-softcap+alibi+sinks]
+ tests/test_prefill.py::test_prefix_sharing tests/test_prefill.py::test_nhd_reshape_and_cache_round_trip
+ tests/test_prefill.py::test_captured_in_a_cuda_graph_replays_with_new_lengths
+ tests/test_prefill.py::test_flash_hooks[128-False-window2-softcap+alibi+sinks]
+ tests/test_prefill.py::test_flash_hooks[256-True-window1-softcap+alibi+sinks]
+ tests/test_prefill.py::test_flash_varlen_hooks_with_empty_sequences
+ tests/test_prefill.py::test_decode_hooks_windows_and_layouts[window1-v1-softcap+alibi+sinks-nhd-256-mma]
+ tests/test_prefill.py::test_decode_hooks_windows_and_layouts[window1-v2-softcap+alibi+sinks-nhd-1-mma]
+ tests/test_prefill.py::test_decode_hooks_windows_and_layouts[window1-v1-softcap+alibi+sinks-vllm-8-simt]
+ tests/test_prefill.py::test_decode_hooks_windows_and_layouts[window1-v2-softcap+alibi+sinks-vllm-8-simt]"
 pytest=(python3 -m pytest -q -m gpu -p no:cacheprovider)
 
 summarize() {   # $1 name, $2 exit code, $3 log -> one line on stdout and in the summary file

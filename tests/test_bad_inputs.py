@@ -685,6 +685,10 @@ ROWS += table(
     *types("key", "value", "k_cache", "v_cache", "slot_mapping"),
     ("kv_layout-hnd", put(kv_layout="hnd"), ValueError, "kv_layout"),
     ("nhd-with-vllm-caches", put(kv_layout="nhd"), ValueError, "k_cache"),
+    ("nhd-fp8-head_size-120", lambda kw, mk: {
+        **kw, "kv_layout": "nhd", "key": mk.zeros((3, 2, 120), BF16),
+        "value": mk.zeros((3, 2, 120), BF16), "k_cache": mk.zeros((4, 16, 2, 120), np.uint8),
+        "v_cache": mk.zeros((4, 16, 2, 120), np.uint8)}, ValueError, "k_cache"),
     # key, value: float16 / bfloat16 (num_tokens, nheads_kv, head_size) alike, as the caches
     ("key-float32", new("key", "value", dtype=np.float32), TypeError, "key"),
     ("key-int16", new("key", dtype=np.int16), TypeError, "key"),
@@ -733,6 +737,8 @@ ROWS += table(
     cuattn.paged_kv_cache_shapes, shapes_kwargs,
     ("kv_layout-hnd", put(kv_layout="hnd"), ValueError, "kv_layout"),
     ("nhd-block_size-3", put(kv_layout="nhd", block_size=3), ValueError, "block_size"),
+    ("nhd-fp8-head_size-120", put(kv_layout="nhd", head_size=120, dtype=np.uint8), ValueError,
+     "head_size"),
     # the dtype of the cache; non-negative counts; supported head and block sizes
     ("dtype-float32", put(dtype=np.float32), TypeError, "dtype"),
     ("dtype-int32", put(dtype=np.int32), TypeError, "dtype"),

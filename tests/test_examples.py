@@ -23,8 +23,8 @@ def _run(example: Path) -> subprocess.CompletedProcess:
 
 
 def test_every_example_is_tested():
-    assert {p.name for p in EXAMPLES} >= {"paged_decode.py", "interop_torch.py",
-                                          "interop_jax.py", "streams.py"}
+    assert {p.name for p in EXAMPLES} >= {"paged_decode.py", "engine_step.py",
+                                          "interop_torch.py", "interop_jax.py", "streams.py"}
 
 
 @pytest.mark.skipif(HAS_GPU, reason="this machine has a GPU: the examples can run here")

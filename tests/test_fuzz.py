@@ -12,7 +12,11 @@ each failing case with its parameters and the command that replays just that cas
 values: integer-valued q, k whose scores reach ~1e4 (computed exactly in float32, so any
 error is the kernel's, not the rounding's), every key of a row masked, lse = +/-inf in
 merges, fp16 values near 65504; every input may be a strided view of a NaN-poisoned storage
-and every given out= is one, so reads and writes outside the views show up.
+and every given out= is one, so reads and writes outside the views show up. A fraction of the
+attention cases carry the hooks (softcap, ALiBi slopes, sinks; for paged_attention also
+windows and the NHD layout); paged_prefill's cases mix both cache layouts, speculative and
+chunk-sized queries, shared prefixes and every hook, each paged cache holding NaN wherever a
+sequence must not read (past its length, unreferenced blocks, table entries past its end).
 
 CPU part: the generators, references and checks run against an oracle (the rounded
 reference must pass, a perturbed one must fail), and the default N cases of fixed seeds stay
@@ -33,10 +37,11 @@ import pytest
 import cuattn
 from cuattn import paged, tuning
 from cuattn.paged.forms import form_for
-from cuattn.variants import MASK_CAUSAL, MASK_NONE, MASK_WINDOW
+from cuattn.variants import (FEAT_ALIBI, FEAT_SINKS, FEAT_SOFTCAP, KV_PAGED_NHD, KV_PAGED_VLLM,
+                             MASK_CAUSAL, MASK_NONE, MASK_WINDOW)
 from test_flash import _floor, _round, _visible, attention_ref
-from test_paged import E4M3, make_case, paged_reference
-from tests.reference import merge_reference, tolerance
+from test_paged import E4M3, _cache_values, make_case, paged_reference
+from tests.reference import attention_reference, merge_reference, tolerance
 
 N_CASES = int(os.environ.get("CUATTN_FUZZ_CASES", 300))
 DEFAULT_CASES = 300
@@ -45,21 +50,31 @@ DT = {"f16": np.dtype(np.float16), "bf16": np.dtype(ml_dtypes.bfloat16)}
 LN2 = math.log(2.0)
 EDGES = (1, 2, 15, 16, 17, 31, 63, 64, 65, 127, 128, 129, 255, 256, 257)
 FUNCS = ("flash_forward", "flash_varlen_forward", "merge_attn_states", "merge_states",
-         "paged_attention", "reshape_and_cache")
+         "paged_attention", "reshape_and_cache", "paged_prefill")
 
 # Budgets at the default N (checked on the CPU for fixed seeds). Kernel variants per function
 # (flash_forward and flash_varlen_forward share theirs; bounded by construction: small sets
-# of kernel-defining values), compiled in parallel before the cases run. Host seconds of one
-# core for the data, the float64 references and the checks (the bulk of a GPU run), from
-# per-function cost models calibrated on the CPU machine (measured: flash 5-6.5 s per test,
-# paged 5-7 s, merges ~1 s, reshape_and_cache ~2 s; ~20 s in all).
-KERNEL_BUDGET = {"flash": 35, "paged_attention": 21, "merge_attn_states": 6,
-                 "merge_states": 6, "reshape_and_cache": 8}
-HOST_S_BUDGET = {"flash_forward": 9, "flash_varlen_forward": 9, "merge_attn_states": 2,
-                 "merge_states": 2, "paged_attention": 9, "reshape_and_cache": 3}
-HOST_S_TOTAL = 30
-# One flash case at most: 1.5e6 scores (batch x heads x sq x sk) and 4e6 elements of q + k + v.
+# of kernel-defining values), compiled in parallel before the cases run (~1-1.5 s each with
+# NVRTC). The bounds: flash 35 plain (2 dtypes x hd 64 / 128 x 3 masks x 2 splits + combines,
+# and the run's odd head dim) + 13 hooked (2 hook sets x 3 masks x 2 splits + a combine with
+# sinks); paged_attention 6 + 3 + 4 x 3 (v1, v2, reduce of six configurations, one of them
+# every partition); paged_prefill 3 families x (2 masks x 2 splits x 4 tile classes + a
+# combine). Host seconds of one core for the data, the float64 references and the checks
+# (the bulk of a GPU run), from per-function cost models calibrated on the CPU machine
+# (measured before the hooks and paged_prefill: flash 5-6.5 s per test, paged 5-7 s, merges
+# ~1 s, reshape_and_cache ~2 s; ~20 s in all). With them the models give, for seeds 0-7:
+# flash 4-9 s a test, paged_attention 7-13 s (its fp8 cases, now modelled at their cost),
+# paged_prefill 5.5-6.5 s; 28-36 s in all.
+KERNEL_BUDGET = {"flash": 48, "paged_attention": 21, "merge_attn_states": 6,
+                 "merge_states": 6, "reshape_and_cache": 8, "paged_prefill": 51}
+HOST_S_BUDGET = {"flash_forward": 11, "flash_varlen_forward": 11, "merge_attn_states": 2,
+                 "merge_states": 2, "paged_attention": 15, "reshape_and_cache": 3,
+                 "paged_prefill": 9}
+HOST_S_TOTAL = 45
+# One flash case at most: 1.5e6 scores (batch x heads x sq x sk) and 4e6 elements of q + k + v;
+# one paged_prefill case: 8e7 scores x head size and 3e6 elements of q and the caches' slots.
 CAPS = (1.5e6, 4e6)
+PREFILL_CAPS = (8e7, 3e6)
 
 
 # ---- seeds, picks, device views ------------------------------------------------------------
@@ -190,8 +205,8 @@ def _check_lse(got, ref, close):
             f"lse error {np.abs(got[~empty] - ref[~empty]).max():.4g}"
 
 
-def _flash_lse_close(g, r):
-    return np.abs(g - r).max() <= 2e-3 * max(1.0, np.abs(r).max())
+def _flash_lse_close(g, r, slack=0.0):
+    return np.abs(g - r).max() <= 2e-3 * max(1.0, np.abs(r).max()) + slack
 
 
 def _rounded(x, dtype):
@@ -209,12 +224,98 @@ def _perturbed(got):
     return dict(got, out=out)
 
 
+# ---- hooks (softcap, ALiBi, sinks) -----------------------------------------------------------
+# In a case's parameters: softcap (a float, 0.0: off), alibi and sinks (bools); their values
+# (float32 (nheads,) slopes and sinks) are data. Hooks are compile-time features (FEAT_* bits)
+# of the kernels, so the cases take them from a few sets fixed per run (the palettes).
+
+def _features(p) -> int:
+    """The FEAT_* bits a case's call carries."""
+    return (FEAT_SOFTCAP if p.get("softcap", 0.0) > 0 else 0) | \
+        (FEAT_ALIBI if p.get("alibi") else 0) | (FEAT_SINKS if p.get("sinks") else 0)
+
+
+def _hooked(p) -> bool:
+    return bool(_features(p))
+
+
+def _set_hooks(rng, p, bits):
+    """softcap / alibi / sinks of a case from FEAT_* bits (the softcap value drawn here)."""
+    p["softcap"] = (round(float(np.exp(rng.uniform(math.log(0.3), math.log(50.0)))), 3)
+                    if bits & FEAT_SOFTCAP else 0.0)
+    p["alibi"], p["sinks"] = bool(bits & FEAT_ALIBI), bool(bits & FEAT_SINKS)
+
+
+def _hook_values(p, values):
+    """Adversarial values the hooks leave meaningful: with ALiBi a non-integer bias joins the
+    scores (those of "big" / "offset" are no longer exact in float32); with softcap the
+    tanh slack grows with max|v| (see _softcap_slack), so no "vmax"."""
+    if p.get("alibi") and values in ("big", "offset"):
+        return "normal"
+    if p.get("softcap", 0.0) > 0 and values == "vmax":
+        return "normal"
+    return values
+
+
+def _alibi_std(h):
+    """ALiBi's geometric slopes (those of test_paged.make_case)."""
+    return (2.0 ** -(8.0 * np.arange(1, h + 1) / h)).astype(np.float32)
+
+
+def _slopes(rng, h):
+    return _alibi_std(h) if rng.random() < 0.5 else rng.uniform(0.0, 0.5, h).astype(np.float32)
+
+
+def _sinks(rng, h):
+    """Sink logits (scaled-score units): moderate, some dominant (30), some negligible."""
+    s = rng.uniform(-4.0, 4.0, h)
+    u = rng.random(h)
+    s[u < 0.15] = 30.0
+    s[u > 0.9] = -60.0
+    return s.astype(np.float32)
+
+
+def _hook_arrays(rng, p, h):
+    """(alibi_slopes, sinks) of a case, None where off."""
+    return (_slopes(rng, h) if p.get("alibi") else None,
+            _sinks(rng, h) if p.get("sinks") else None)
+
+
+def _softcap_slack(softcap, cap_max, v_max):
+    """The error the kernels' tanh.approx.f32 (relative error 2^-10.99, cuda_src/common/
+    logits.cuh) adds for softcap > 0, which the float64 reference in the input precision does
+    not model: each capped score s' = cap tanh(s / cap) is off by up to 2^-10.99 |s'|; with a
+    small margin d = 2^-10.9 max|s'| (cap_max: over the keys a row sees). Every softmax weight
+    then moves by a factor within e^(+/-2d), so out moves by at most (e^(2d) - 1) max|v| and
+    lse by at most d: an extra absolute floor for out and lse of the softcap cases only (a
+    bound: test_softcap_slack_covers_an_approximate_tanh)."""
+    if softcap <= 0:
+        return 0.0, 0.0
+    d = 2.0 ** -10.9 * cap_max
+    return math.expm1(2 * d) * v_max, d
+
+
+def _vec(x, rng):
+    """A (nheads,) hook vector on the device: None, or a view into a NaN-poisoned storage."""
+    return None if x is None else _place(x, rng, bool(rng.random() < 0.5))[0]
+
+
+def _hook_args(p, c, rng):
+    return dict(softcap=p["softcap"], alibi_slopes=_vec(c["alibi_slopes"], rng),
+                sinks=_vec(c["sinks"], rng))
+
+
 # ---- flash_forward / flash_varlen_forward ---------------------------------------------------
 
-def _attn_ref(q, k, v, causal, window, scale, dtype):
-    """attention_ref (tests/test_flash.py) on host arrays, its scores computed once with BLAS:
-    float64 out (B, Sq, H, D), the same math in the input precision (P and out rounded to
-    it: FlashAttention's ref_same_precision) and lse (B, H, Sq)."""
+def _attn_ref(q, k, v, causal, window, scale, dtype, softcap=0.0, alibi=None, sinks=None,
+              tanh=np.tanh):
+    """attention_ref (tests/test_flash.py) on host arrays, its scores computed once with BLAS,
+    with the hooks of tests/reference.py attention_reference (softcap, then the ALiBi bias
+    -slope |i + sk - sq - j|, then the mask; sinks join the denominator): float64 out
+    (B, Sq, H, D), the same math in the input precision (P and out rounded to it:
+    FlashAttention's ref_same_precision), lse (B, H, Sq) and the largest |capped score| a
+    row sees (0 without softcap; for _softcap_slack). tanh: the CPU self-test's stand-in for
+    the kernels' approximate one."""
     b, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     g = h // hkv
@@ -225,24 +326,47 @@ def _attn_ref(q, k, v, causal, window, scale, dtype):
     kf = np.ascontiguousarray(k.astype(np.float64).transpose(0, 2, 3, 1))   # (B, Hkv, D, Sk)
     vf = np.ascontiguousarray(v.astype(np.float64).transpose(0, 2, 1, 3))   # (B, Hkv, Sk, D)
     s = (qf @ kf).reshape(b, h, sq, sk) * scale
-    s[:, :, ~_visible(np, sq, sk, causal, window)] = -np.inf
+    visible = _visible(np, sq, sk, causal, window)
+    cap_max = 0.0
+    if softcap > 0:
+        s = softcap * tanh(s / softcap)
+        cap_max = float(np.abs(s[:, :, visible]).max(initial=0.0))
+    if alibi is not None:
+        dist = np.abs(np.arange(sq)[:, None] + sk - sq - np.arange(sk)[None, :])
+        s -= np.asarray(alibi, np.float64)[None, :, None, None] * dist
+    s[:, :, ~visible] = -np.inf
     m = s.max(axis=-1, keepdims=True, initial=-np.inf)
+    if sinks is not None:
+        sink = np.asarray(sinks, np.float64)[None, :, None, None]
+        m = np.maximum(m, sink)
     m = np.where(np.isinf(m), 0.0, m)
     p = np.exp(s - m)
     l = p.sum(axis=-1, keepdims=True)
+    if sinks is not None:
+        l = l + np.exp(sink - m)
     empty, l1 = l == 0, np.where(l > 0, l, 1.0)
 
     def pv(p):
         o = (p.reshape(b, hkv, g * sq, sk) @ vf).reshape(b, h, sq, d) / l1
         return np.where(empty, 0.0, o).transpose(0, 2, 1, 3)
     lse = np.where(empty, -np.inf, m + np.log(l1))[..., 0]
-    return pv(p), _round(pv(_round(p, DT[dtype], np)), DT[dtype], np), lse
+    return pv(p), _round(pv(_round(p, DT[dtype], np)), DT[dtype], np), lse, cap_max
 
 
 def _flash_palette(rng):
-    """The run's one head dim outside 64/128 (compiled 32 ... 256) and its dtype."""
-    return dict(hd=int(_pick(rng, (32, 96, 160, 192, 224, 256))),
-                dtype=_pick(rng, ("f16", "bf16")))
+    """The run's one head dim outside 64/128 (compiled 32 ... 256) and its dtype; the hooked
+    cases' compiled head dim (64, 128 or that one) and dtype, and their two sets of hooks
+    (FEAT_* bits, together all three): a bounded set of hooked variants (2 x 3 masks x 2
+    splits + a combine)."""
+    hd, dtype = int(_pick(rng, (32, 96, 160, 192, 224, 256))), _pick(rng, ("f16", "bf16"))
+    hook_hd = int(_pick(rng, (64, 128, hd)))
+    first = int(rng.integers(1, 8))
+    second = (7 & ~first) | int(rng.integers(0, 8))           # what the first lacks, and more
+    if second == first:
+        second = 7 if first != 7 else int(rng.integers(1, 7))
+    return dict(hd=hd, dtype=dtype, hook_hd=hook_hd,
+                hook_dtype=dtype if hook_hd == hd else _pick(rng, ("f16", "bf16")),
+                hooks=[first, second])
 
 
 def _side(rng, n):
@@ -254,25 +378,36 @@ def _side(rng, n):
     return int(rng.integers(1, 17)) if u < 0.7 else int(rng.integers(1, max(2, 3 * n // 2)))
 
 
+def _scale(rng, values, hd):
+    """softmax_scale of a value mode (None: the default)."""
+    if values == "big":                  # integer q, k in [-64, 64]: scores ~1e4, exact in fp32
+        return LN2                       # softmax_scale * log2(e) = 1: a power of two
+    if values == "offset":               # q, k = 30 +/- 1: scores ~1e4 with a spread of ~20
+        return LN2 * 2.0 ** -max(0, round(math.log2(900 * hd * LN2 / 1e4)))
+    if rng.random() < 0.3:
+        return round(float(rng.uniform(0.02, 0.3)), 4)
+    return None
+
+
 def _flash_common(rng, pal):
-    """Everything but the lengths: dtype, head dim, heads, options, values, layouts."""
-    if rng.random() < 0.1:               # the run's odd head dim, below its compiled one too
+    """Everything but the lengths: dtype, head dim, heads, hooks, options, values, layouts."""
+    hooks = int(_pick(rng, pal["hooks"])) if rng.random() < 0.25 else 0
+    if hooks:                            # the run's hooked head dim, below it too
+        dtype, hd = pal["hook_dtype"], pal["hook_hd"] - 8 * int(rng.integers(0, 4))
+    elif rng.random() < 0.1:             # the run's odd head dim, below its compiled one too
         dtype, hd = pal["dtype"], pal["hd"] - 8 * int(rng.integers(0, 4))
     else:                                # compiled 64 / 128, with zero-filled tails
         dtype = _pick(rng, ("f16", "bf16"))
         hd = int(_pick(rng, (64, 64, 64, 56, 48, 40, 128, 128, 128, 120, 112, 104)))
-    values = _pick(rng, ("normal", "big", "offset", "vmax"), p=[0.7, 0.1, 0.1, 0.1])
+    p = {}
+    _set_hooks(rng, p, hooks)
+    values = _hook_values(p, _pick(rng, ("normal", "big", "offset", "vmax"),
+                                   p=[0.7, 0.1, 0.1, 0.1]))
     if values == "vmax" and dtype != "f16":
         values = "normal"
-    scale = None
-    if values == "big":                  # integer q, k in [-64, 64]: scores ~1e4, exact in fp32
-        scale = LN2                      # softmax_scale * log2(e) = 1: a power of two
-    elif values == "offset":             # q, k = 30 +/- 1: scores ~1e4 with a spread of ~20
-        scale = LN2 * 2.0 ** -max(0, round(math.log2(900 * hd * LN2 / 1e4)))
-    elif rng.random() < 0.3:
-        scale = round(float(rng.uniform(0.02, 0.3)), 4)
+    scale = _scale(rng, values, hd)
     return dict(dtype=dtype, hd=hd, hkv=int(_pick(rng, (1, 2, 4))),
-                gqa=int(_pick(rng, (1, 2, 4, 8))), values=values, scale=scale,
+                gqa=int(_pick(rng, (1, 2, 4, 8))), values=values, scale=scale, **p,
                 num_splits=int(_pick(rng, (0, 1, 2, 3, 4, 8, 16, 64),
                                      p=[0.3, 0.25, 0.1, 0.1, 0.1, 0.05, 0.05, 0.05])),
                 return_lse=bool(rng.random() < 0.75),
@@ -360,12 +495,19 @@ def _qkv(rng, p, qshape, kshape):
     return q.astype(dt), k.astype(dt), v.astype(dt)
 
 
+def _v_max(v):
+    return float(np.abs(v.astype(np.float32)).max(initial=0.0))
+
+
 def build_flash(p, rng):
     h = p["hkv"] * p["gqa"]
     q, k, v = _qkv(rng, p, (p["batch"], p["sq"], h, p["hd"]),
                    (p["batch"], p["sk"], p["hkv"], p["hd"]))
-    ref, ref_lp, lse = _attn_ref(q, k, v, p["causal"], p["window"], p["scale"], p["dtype"])
-    return dict(q=q, k=k, v=v, ref=ref, ref_lp=ref_lp, ref_lse=lse)
+    slopes, sinks = _hook_arrays(rng, p, h)
+    ref, ref_lp, lse, cap = _attn_ref(q, k, v, p["causal"], p["window"], p["scale"],
+                                      p["dtype"], p["softcap"], slopes, sinks)
+    return dict(q=q, k=k, v=v, ref=ref, ref_lp=ref_lp, ref_lse=lse, alibi_slopes=slopes,
+                sinks=sinks, slack=_softcap_slack(p["softcap"], cap, _v_max(v)))
 
 
 def _cu(lens):
@@ -377,13 +519,17 @@ def build_varlen(p, rng):
     cu_q, cu_k = _cu(p["lens_q"]), _cu(p["lens_k"])
     q, k, v = _qkv(rng, p, (cu_q[-1] + p["pad_q"], h, p["hd"]),
                    (cu_k[-1] + p["pad_k"], p["hkv"], p["hd"]))
+    slopes, sinks = _hook_arrays(rng, p, h)
     refs = [_attn_ref(q[None, cu_q[b]:cu_q[b + 1]], k[None, cu_k[b]:cu_k[b + 1]],
                       v[None, cu_k[b]:cu_k[b + 1]], p["causal"], p["window"], p["scale"],
-                      p["dtype"]) for b in range(len(p["lens_q"]))]
+                      p["dtype"], p["softcap"], slopes, sinks) for b in range(len(p["lens_q"]))]
     return dict(q=q, k=k, v=v, cu_q=cu_q, cu_k=cu_k, rows=int(cu_q[-1]),
                 ref=np.concatenate([r[0][0] for r in refs]),
                 ref_lp=np.concatenate([r[1][0] for r in refs]),
-                ref_lse=np.concatenate([r[2][0] for r in refs], axis=1))
+                ref_lse=np.concatenate([r[2][0] for r in refs], axis=1),
+                alibi_slopes=slopes, sinks=sinks,
+                slack=_softcap_slack(p["softcap"], max(r[3] for r in refs),
+                                     _v_max(v[:cu_k[-1]])))
 
 
 def _flash_options(p):
@@ -402,7 +548,7 @@ def _flash_result(res, p, out, store, outside):
 def call_flash(p, c, rng):
     q, k, v = (_place(c[n], rng, n in p["strided"])[0] for n in "qkv")
     out, store, outside = _poisoned_out(c["q"].shape, DT[p["dtype"]], rng, p["out"])
-    res = cuattn.flash_forward(q, k, v, out=out, **_flash_options(p))
+    res = cuattn.flash_forward(q, k, v, out=out, **_flash_options(p), **_hook_args(p, c, rng))
     return _flash_result(res, p, out, store, outside)
 
 
@@ -413,16 +559,17 @@ def call_varlen(p, c, rng):
     res = cuattn.flash_varlen_forward(
         q, k, v, cp.asarray(c["cu_q"]), cp.asarray(c["cu_k"]),
         max(p["lens_q"]) + p["extra_max"], max(p["lens_k"]) + p["extra_max"], out=out,
-        **_flash_options(p))
+        **_flash_options(p), **_hook_args(p, c, rng))
     return _flash_result(res, p, out, store, outside)
 
 
 def check_flash(p, c, got):
     out, lse = got["out"], got["lse"]
-    if "rows" in c:                      # varlen: the rows the sequences cover
+    if "rows" in c:                      # varlen, paged_prefill: the rows the sequences cover
         out, lse = out[:c["rows"]], None if lse is None else lse[:, :c["rows"]]
-    _check_out(out, c["ref"], c["ref_lp"], _floor(DT[p["dtype"]]))
-    _check_lse(lse, c["ref_lse"], _flash_lse_close)
+    slack_out, slack_lse = c["slack"]
+    _check_out(out, c["ref"], c["ref_lp"], _floor(DT[p["dtype"]]) + slack_out)
+    _check_lse(lse, c["ref_lse"], lambda g, r: _flash_lse_close(g, r, slack_lse))
 
 
 def oracle_flash(p, c):
@@ -430,12 +577,24 @@ def oracle_flash(p, c):
                 lse=c["ref_lse"].astype(np.float32) if p["return_lse"] else None)
 
 
-def kernels_flash(p, arch):
+def _mask_of(p):
+    """The mask kind of a case (cuattn.flash._mask_kind)."""
     left, right = p["window"]
     right = 0 if p["causal"] else right
     is_causal = p["causal"] and left < 0
     window = not is_causal and (left >= 0 or right >= 0)
-    mask = MASK_CAUSAL if is_causal else (MASK_WINDOW if window else MASK_NONE)
+    return MASK_CAUSAL if is_causal else (MASK_WINDOW if window else MASK_NONE)
+
+
+def _may_split(n, tiles, batch):
+    """Whether a call of num_splits n over this many key tiles may split (n = 0: the tuning
+    rule, whose choice depends on the device: a superset)."""
+    return (n == 0 and tiles >= 2 * tuning.FLASH_MIN_TILES_PER_SPLIT) or \
+        min(n, max(tiles, 1), 65535 // max(batch, 1)) > 1
+
+
+def kernels_flash(p, arch):
+    mask = _mask_of(p)
     if "lens_q" in p:
         batch = len(p["lens_q"])
         max_sq, max_sk = max(p["lens_q"]) + p["extra_max"], max(p["lens_k"]) + p["extra_max"]
@@ -444,21 +603,22 @@ def kernels_flash(p, arch):
     if max_sq == 0:
         return []
 
+    features = _features(p)
+
     def fwd(split):
         return tuning.flash_forward_variant(p["dtype"], p["hd"], mask=mask, split=split,
-                                            arch=arch)
+                                            arch=arch, features=features)
     tiles = -(-max_sk // fwd(False).block_n)
-    n = p["num_splits"]
-    split = (n == 0 and tiles >= 2 * tuning.FLASH_MIN_TILES_PER_SPLIT) or \
-        min(n, max(tiles, 1), 65535 // batch) > 1              # (n = 0: a superset)
-    extra = [fwd(True), tuning.flash_combine_variant(p["dtype"], p["hd"])]
-    return [fwd(False)] + (extra if split else [])
+    extra = [fwd(True), tuning.flash_combine_variant(p["dtype"], p["hd"],
+                                                     sinks=bool(features & FEAT_SINKS))]
+    return [fwd(False)] + (extra if _may_split(p["num_splits"], tiles, batch) else [])
 
 
 def work_flash(p):
     h, d = p["hkv"] * p["gqa"], p["hd"]
     pairs = [(p["sq"], p["sk"])] * p["batch"] if "sq" in p else zip(p["lens_q"], p["lens_k"])
-    macs = sum(h * a * b * (3 * d + 30) + 40 * d * (h * a + 2 * p["hkv"] * b) for a, b in pairs)
+    per_score = (3 * d + 30) * (1.3 if _hooked(p) else 1.0)       # (tanh, the bias: ~30%)
+    macs = sum(h * a * b * per_score + 40 * d * (h * a + 2 * p["hkv"] * b) for a, b in pairs)
     return macs / 7.5e9                  # host seconds on one core
 
 
@@ -544,34 +704,150 @@ def work_merge(p):
     return p["k"] * p["tokens"] * p["heads"] * p["hs"] / 5.5e7 + 1e-3
 
 
+# ---- paged caches by plain indexing (paged_attention's NHD cases, paged_prefill) ------------
+
+def _q_values(rng, shape, values, dt):
+    if values == "big":                  # integer q, k in [-64, 64]: scores exact in fp32
+        q = rng.integers(-64, 65, shape).astype(np.float32)
+    elif values == "offset":             # q, k = 30 +/- 1
+        q = 30 + rng.integers(-1, 2, shape).astype(np.float32)
+    else:
+        q = rng.standard_normal(shape, dtype=np.float32)
+    return q.astype(dt)
+
+
+def _kv_values(rng, shape, values, dt):
+    """K and V tokens (n, nkv, hs) of a value mode (those of _qkv)."""
+    k = _q_values(rng, shape, values, dt)
+    v = rng.standard_normal(shape, dtype=np.float32)
+    if values == "vmax":                 # fp16 values near 65504: out must stay finite
+        sel = rng.random(shape) < 0.5
+        v[sel] = rng.choice([-1.0, 1.0], sel.sum()) * rng.uniform(6e4, 65504, sel.sum())
+    return k, v.astype(dt)
+
+
+def _paged_cache(rng, contexts, *, nkv, hs, bs, dtype, layout, extra_table, shared=0,
+                 values="normal"):
+    """16-bit K / V caches in the documented layouts (cuattn/paged/layout.py), written token
+    by token by plain indexing: sequence s holds contexts[s] tokens in shuffled physical
+    blocks, its first ``shared`` blocks the same blocks for every sequence (prefix caching).
+    NaN in every slot no sequence may read: past a length, 5 unreferenced ("spare") blocks,
+    which the table entries past a sequence's blocks name."""
+    dt = DT[dtype]
+    nb = [-(-n // bs) for n in contexts]
+    used = shared + sum(b - shared for b in nb)
+    perm = rng.permutation(used + 5).astype(np.int32)
+    spare = perm[used:]
+    x = 16 // dt.itemsize
+    if layout == "nhd":
+        kshape = vshape = (used + 5, bs, nkv, hs)
+    else:
+        kshape, vshape = (used + 5, nkv, hs // x, bs, x), (used + 5, nkv, hs, bs)
+    k_cache, v_cache = np.full(kshape, np.nan, dt), np.full(vshape, np.nan, dt)
+    table = rng.choice(spare, (len(contexts), max(max(nb, default=0) + extra_table, 1)))
+    table = table.astype(np.int32)
+    pre_k, pre_v = _kv_values(rng, (shared * bs, nkv, hs), values, dt)
+    nxt, ks, vs = shared, [], []
+    for s, n in enumerate(contexts):
+        table[s, :shared] = perm[:shared]
+        table[s, shared:nb[s]] = perm[nxt:nxt + nb[s] - shared]
+        nxt += nb[s] - shared
+        k, v = _kv_values(rng, (n, nkv, hs), values, dt)
+        k[:shared * bs], v[:shared * bs] = pre_k, pre_v
+        tok = np.arange(n)
+        blk, off = table[s, tok // bs], tok % bs
+        if layout == "nhd":              # [blk, off, h, d]
+            k_cache[blk, off], v_cache[blk, off] = k, v
+        else:                            # K [blk, h, d // x, off, d % x], V [blk, h, d, off]
+            k_cache[blk, :, :, off, :] = k.reshape(n, nkv, hs // x, x)
+            v_cache[blk, :, :, off] = v
+        ks.append(k)
+        vs.append(v)
+    return dict(k_cache=k_cache, v_cache=v_cache, block_tables=table,
+                seq_lens=np.array(contexts, np.int32), spare=spare, tokens=(ks, vs))
+
+
+_E4M3_VALUES = np.arange(256, dtype=np.uint8).view(E4M3).astype(np.float64)
+
+
+def _cache_float(x, scale):
+    """test_paged._cache_values (fp8 bytes dequantised by their scale), by a table of the 256
+    e4m3 values (ml_dtypes' conversion of every element costs more than the reference)."""
+    if x.dtype in (np.dtype(np.uint8), E4M3):
+        return _E4M3_VALUES[x.view(np.uint8)] * scale
+    return x.astype(np.float64)
+
+
+def _gather(c, layout, s, k_scale=1.0, v_scale=1.0):
+    """Sequence s's K and V (n, nkv, hs) in float64, token by token through its block table
+    by plain indexing of the documented layouts (fp8 bytes dequantised by their scales)."""
+    kc, vc = c["k_cache"], c["v_cache"]
+    n = int(c["seq_lens"][s])
+    bs, nkv, hs = kc.shape[1:] if layout == "nhd" else (vc.shape[3], vc.shape[1], vc.shape[2])
+    tok = np.arange(n)
+    blk, off = c["block_tables"][s, tok // bs], tok % bs
+    if layout == "nhd":
+        k, v = kc[blk, off], vc[blk, off]
+    else:
+        k, v = kc[blk, :, :, off, :].reshape(n, nkv, hs), vc[blk, :, :, off]
+    return _cache_float(k, k_scale), _cache_float(v, v_scale)
+
+
 # ---- paged_attention ------------------------------------------------------------------------
 
-def _paged_config(rng, core, partition=None):
-    """Kernel-defining choices: dtype, cache, head size, block size, group, ALiBi, partition
-    (None: the library picks)."""
+def _paged_config(rng, core, partition=None, hooked=False):
+    """Kernel-defining choices: dtype, cache, head size, block size, group, ALiBi, softcap,
+    sinks, layout, partition (None: the library picks). hooked: softcap or sinks on."""
     cache = "same" if core else _pick(rng, ("same", "e4m3", "u8"), p=[0.5, 0.25, 0.25])
     sizes = [s for s in paged.HEAD_SIZES if cache == "same" or s % 16 == 0]
     hs = int(_pick(rng, (64, 128))) if core or rng.random() < 0.5 else int(_pick(rng, sizes))
-    return dict(dtype=_pick(rng, ("f16", "bf16")), cache=cache, hs=hs,
-                bs=16 if core or rng.random() < 0.5 else int(_pick(rng, (8, 32))),
+    # NHD: the tensor-core form only (16-bit caches, head sizes multiples of 16), blocks 1..256
+    nhd = not core and cache == "same" and hs % 16 == 0 and \
+        bool(rng.random() < (0.5 if hooked else 0.25))
+    if nhd:
+        bs = int(_pick(rng, paged.NHD_BLOCK_SIZES))
+    else:
+        bs = 16 if core or rng.random() < 0.5 else int(_pick(rng, (8, 32)))
+    softcap = sinks = False
+    while not core:
+        softcap, sinks = (bool(rng.random() < (0.5 if hooked else 0.15)) for _ in "cs")
+        if softcap or sinks or not hooked:
+            break
+    return dict(dtype=_pick(rng, ("f16", "bf16")), cache=cache, hs=hs, bs=bs,
                 group=int(_pick(rng, (1, 4, 8) if core else (1, 2, 4, 8))),
                 alibi=not core and bool(rng.random() < 0.3),
-                partition=partition if core else int(_pick(rng, (128, 256, 512, 1024))))
+                partition=partition if core else int(_pick(rng, (128, 256, 512, 1024))),
+                layout="nhd" if nhd else "vllm", softcap=softcap, sinks=sinks)
 
 
 def _paged_palette(rng):
     """Six configurations per run: two common ones (partition 512 and the library's choice),
-    four from the whole space."""
+    three from the whole space, one of them with softcap or sinks."""
     return [_paged_config(rng, True, 512), _paged_config(rng, True, None)] + \
-        [_paged_config(rng, False) for _ in range(4)]
+        [_paged_config(rng, False) for _ in range(3)] + [_paged_config(rng, False, hooked=True)]
 
 
 def _max_context(p):
     return (max(-(-n // p["bs"]) for n in p["lens"]) + p["extra_table"]) * p["bs"]
 
 
+def _decode_window(rng, lens):
+    """(left, right): the query at seq_len - 1 sees keys j >= seq_len - 1 - left (right is
+    moot for decode); a fifth of the cases bounded."""
+    u = rng.random()
+    if u < 0.8:
+        left = -1
+    elif u < 0.84:
+        left = 0
+    elif u < 0.92:
+        left = int(rng.integers(1, 17))
+    else:
+        left = int(rng.integers(1, max(2, 3 * max(lens) // 2)))
+    return left, int(_pick(rng, (-1, -1, 0, 5)))
+
+
 def gen_paged(rng, pal):
-    p = dict(pal[int(rng.choice(6, p=[0.3, 0.3, 0.1, 0.1, 0.1, 0.1]))])
+    p = dict(pal[int(rng.choice(6, p=[0.28, 0.28, 0.1, 0.1, 0.1, 0.14]))])
     g, bs, part = p["group"], p["bs"], p["partition"] or 512
     p["gqa"] = 16 if g == 8 and rng.random() < 0.4 else g
     p["nkv"] = int(_pick(rng, (1, 1, 2, 4)))              # 1 with gqa > 1: MQA
@@ -591,10 +867,13 @@ def gen_paged(rng, pal):
     version = _pick(rng, ("v1", "v2", "auto"))
     if version == "v1" and 4 * g * max(_max_context(p), 128) > 160_000:
         version = "auto"                 # v1 keeps a whole sequence's logits in shared memory
+    _set_hooks(rng, p, _features(p))
+    p["window"] = _decode_window(rng, lens)
     values = "normal" if p["alibi"] else _pick(rng, ("normal", "big", "offset", "vmax"),
                                                    p=[0.7, 0.1, 0.1, 0.1])
     if values == "vmax" and (p["dtype"], p["cache"]) != ("f16", "same"):
         values = "normal"
+    values = _hook_values(p, values)
     fp8 = p["cache"] != "same"
     # scales: fp8 dequantisation (ignored for 16-bit caches, so random there too)
     ks, vs = (round(float(np.exp(rng.uniform(np.log(0.02), np.log(2.0)))), 4) for _ in "kv")
@@ -625,23 +904,58 @@ def _ints_into(cache, fp8, values, rng):
         cache[fin] = rng.integers(lo, hi + 1, fin.sum()).astype(np.float32).astype(cache.dtype)
 
 
+def _paged_plain(p):
+    """No hook, window or NHD: test_paged's paged_reference models the case."""
+    return p["layout"] == "vllm" and not _hooked(p) and p["window"][0] < 0
+
+
+def _decode_reference(p, c, scale):
+    """Per sequence _attn_ref of its query (position seq_len - 1: causal, the window's left
+    side) over its K/V gathered through the block table (_gather): out, lse, slack."""
+    outs, lses, cap, v_max = [], [], 0.0, 0.0
+    for s in range(len(p["lens"])):
+        k, v = _gather(c, p["layout"], s, p["k_scale"], p["v_scale"])
+        o, _, lse, m = _attn_ref(c["q"][None, s:s + 1], k[None], v[None], True,
+                                 (p["window"][0], -1), scale, p["dtype"], p["softcap"],
+                                 c["alibi_slopes"], c["sinks"])
+        outs.append(o[0])
+        lses.append(lse[0])
+        cap, v_max = max(cap, m), max(v_max, float(np.abs(v).max(initial=0.0)))
+    return (np.concatenate(outs), np.concatenate(lses, axis=1),
+            _softcap_slack(p["softcap"], cap, v_max))
+
+
 def build_paged(p, rng):
-    c = make_case(rng, lengths=p["lens"], nkv=p["nkv"], gqa=p["gqa"], head_size=p["hs"],
-                  block_size=p["bs"], dtype=p["dtype"], cache_kind=p["cache"],
-                  k_scale=p["k_scale"], v_scale=p["v_scale"], extra_table=p["extra_table"],
-                  alibi=p["alibi"])
-    if p["values"] in ("big", "offset"):
-        lo, hi = (-64, 64) if p["values"] == "big" else (29, 31)
-        c["q"] = rng.integers(lo, hi + 1, c["q"].shape).astype(np.float32).astype(c["q"].dtype)
-        _ints_into(c["k_cache"], p["cache"] != "same", p["values"], rng)
-    elif p["values"] == "vmax":
-        vc = c["v_cache"]
-        fin = np.isfinite(vc) & (rng.random(vc.shape) < 0.5)
-        vc[fin] = rng.choice([-1.0, 1.0], fin.sum()) * rng.uniform(6e4, 65504, fin.sum())
+    h = p["nkv"] * p["gqa"]
+    if p["layout"] == "nhd":             # 16-bit caches, the values drawn as they are written
+        c = _paged_cache(rng, p["lens"], nkv=p["nkv"], hs=p["hs"], bs=p["bs"],
+                         dtype=p["dtype"], layout="nhd", extra_table=p["extra_table"],
+                         values=p["values"])
+        c["q"] = _q_values(rng, (len(p["lens"]), h, p["hs"]), p["values"], DT[p["dtype"]])
+        c["alibi_slopes"] = _alibi_std(h) if p["alibi"] else None
+    else:
+        c = make_case(rng, lengths=p["lens"], nkv=p["nkv"], gqa=p["gqa"], head_size=p["hs"],
+                      block_size=p["bs"], dtype=p["dtype"], cache_kind=p["cache"],
+                      k_scale=p["k_scale"], v_scale=p["v_scale"],
+                      extra_table=p["extra_table"], alibi=p["alibi"])
+        if p["values"] in ("big", "offset"):
+            lo, hi = (-64, 64) if p["values"] == "big" else (29, 31)
+            c["q"] = rng.integers(lo, hi + 1, c["q"].shape).astype(np.float32).astype(
+                c["q"].dtype)
+            _ints_into(c["k_cache"], p["cache"] != "same", p["values"], rng)
+        elif p["values"] == "vmax":
+            vc = c["v_cache"]
+            fin = np.isfinite(vc) & (rng.random(vc.shape) < 0.5)
+            vc[fin] = rng.choice([-1.0, 1.0], fin.sum()) * rng.uniform(6e4, 65504, fin.sum())
+    c["sinks"] = _sinks(rng, h) if p["sinks"] else None
     scale = 1.0 / math.sqrt(p["hs"]) if p["scale"] is None else p["scale"]
-    c["ref"], c["ref_lse"] = paged_reference(c["q"], c["k_cache"], c["v_cache"],
-                                             c["block_tables"], c["seq_lens"], scale,
-                                             p["k_scale"], p["v_scale"], c["alibi_slopes"])
+    if _paged_plain(p):
+        c["ref"], c["ref_lse"] = paged_reference(c["q"], c["k_cache"], c["v_cache"],
+                                                 c["block_tables"], c["seq_lens"], scale,
+                                                 p["k_scale"], p["v_scale"], c["alibi_slopes"])
+        c["slack"] = (0.0, 0.0)
+    else:
+        c["ref"], c["ref_lse"], c["slack"] = _decode_reference(p, c, scale)
     return c
 
 
@@ -653,22 +967,26 @@ def call_paged(p, c, rng):
     res = cuattn.paged_attention(
         q, kc, vc, cp.asarray(c["block_tables"]), cp.asarray(c["seq_lens"]),
         softmax_scale=p["scale"], k_scale=p["k_scale"], v_scale=p["v_scale"],
-        alibi_slopes=None if c["alibi_slopes"] is None else cp.asarray(c["alibi_slopes"]),
-        version=p["version"], partition_size=p["partition"], return_lse=p["return_lse"],
-        out=out)
+        window_size=p["window"], kv_layout=p["layout"], version=p["version"],
+        partition_size=p["partition"], return_lse=p["return_lse"], out=out,
+        **_hook_args(p, c, rng))
     return _flash_result(res, p, out, store, outside)
 
 
 def check_paged(p, c, got):
-    _check_out(got["out"], c["ref"], _rounded(c["ref"], p["dtype"]), 1e-3)
-    _check_lse(got["lse"], c["ref_lse"], lambda g, r: np.allclose(g, r, rtol=1e-4, atol=1e-3))
+    slack_out, slack_lse = c["slack"]
+    _check_out(got["out"], c["ref"], _rounded(c["ref"], p["dtype"]), 1e-3 + slack_out)
+    _check_lse(got["lse"], c["ref_lse"],
+               lambda g, r: np.allclose(g, r, rtol=1e-4, atol=1e-3 + slack_lse))
 
 
 def _paged_key(p, partition):
     """The main kernel's variant, of the form paged_attention runs for the case."""
     cache = p["dtype"] if p["cache"] == "same" else "e4m3"
-    return form_for(cache, p["hs"], p["group"]).variant(p["dtype"], cache, p["hs"], p["bs"],
-                                                         p["group"], partition, p["alibi"])
+    nhd = p["layout"] == "nhd"
+    return form_for(cache, p["hs"], p["group"], nhd=nhd).variant(
+        p["dtype"], cache, p["hs"], p["bs"], p["group"], partition, p["alibi"],
+        softcap=p["softcap"] > 0, sinks=p["sinks"], nhd=nhd)
 
 
 def kernels_paged(p, arch):
@@ -678,13 +996,17 @@ def kernels_paged(p, arch):
     if p["version"] != "v1":
         parts = [p["partition"]] if p["partition"] else tuning.PAGED_PARTITION_SIZES
         keys += [_paged_key(p, ps) for ps in parts]
-        keys.append(tuning.paged_reduce_variant(p["dtype"], p["hs"]))
+        keys.append(tuning.paged_reduce_variant(p["dtype"], p["hs"], sinks=p["sinks"]))
     return keys
 
 
 def work_paged(p):
+    """fp8 caches cost twice (make_case's ml_dtypes conversions); vLLM-layout 16-bit cases
+    through _decode_reference a quarter more than through paged_reference."""
     tokens = sum(p["lens"]) + 5 * p["bs"] + len(p["lens"]) * p["bs"]
-    return tokens * p["nkv"] * p["hs"] * (30 + 4 * p["gqa"]) / 1.3e9
+    factor = 2.0 if p["cache"] != "same" else \
+        (1.0 if _paged_plain(p) or p["layout"] == "nhd" else 1.25)
+    return tokens * p["nkv"] * p["hs"] * (30 + 4 * p["gqa"]) * factor / 1.3e9
 
 
 # ---- reshape_and_cache ----------------------------------------------------------------------
@@ -772,6 +1094,185 @@ def work_reshape(p):
     return (cache + p["tokens"] * p["nkv"] * p["hs"]) / 1e8 + 1e-3
 
 
+# ---- paged_prefill --------------------------------------------------------------------------
+
+def _prefill_palette(rng):
+    """Three families of kernel-defining values per run: dtype, head size (128, the run's odd
+    one, any), cache layout (one each, then either), hooks (the third family's, a non-empty
+    set) and the one mask besides causal their cases take. Within a family a case's mask
+    (2), split-KV (2) and the tile class of its rows (max_seqlen_q x group: <= 16, 32, 64 or
+    more; two classes above head size 128) pick the kernel: at most 2 x 2 x 4 variants and a
+    combine per family."""
+    first = _pick(rng, ("vllm", "nhd"))
+    layouts = (first, "nhd" if first == "vllm" else "vllm", _pick(rng, ("vllm", "nhd")))
+    odd = [s for s in paged.HEAD_SIZES if s != 128]
+    return [dict(dtype=_pick(rng, ("f16", "bf16")),
+                 hs=128 if i == 0 else int(_pick(rng, odd if i == 1 else paged.HEAD_SIZES)),
+                 layout=layouts[i], hooks=int(rng.integers(1, 8)) if i == 2 else 0,
+                 mask=_pick(rng, ("none", "window"))) for i in range(3)]
+
+
+def _q_short(rng):
+    """New tokens of a speculative / decode-like sequence: 0 ... 16, the edges often."""
+    u = rng.random()
+    if u < 0.1:
+        return 0
+    if u < 0.5:
+        return int(_pick(rng, (1, 2, 4, 8, 15, 16)))
+    return int(rng.integers(1, 17))
+
+
+def _prefill_sizes(p):
+    """(scores x head size, elements of q + the caches) of a case: what bounds its host
+    work."""
+    h, d, bs = p["nkv"] * p["gqa"], p["hs"], p["bs"]
+    ctx = [a + b for a, b in zip(p["lens_q"], p["prefix"])]
+    slots = sum(-(-n // bs) * bs for n in ctx) + 5 * bs
+    return (h * d * sum(a * max(n, d) for a, n in zip(p["lens_q"], ctx)),
+            d * (h * sum(p["lens_q"]) + 2 * p["nkv"] * slots))
+
+
+def _fit_prefill(p):
+    """Shrink to PREFILL_CAPS: KV heads, then long prefixes, sequences, the one left."""
+    lq, pre = p["lens_q"], p["prefix"]
+    while any(s > cap for s, cap in zip(_prefill_sizes(p), PREFILL_CAPS)):
+        if p["nkv"] > 1:
+            p["nkv"] //= 2
+        elif max(pre) > 1024:
+            i = int(np.argmax(pre))
+            pre[i] = pre[i] * 7 // 10
+        elif len(lq) > 1:
+            del lq[-1], pre[-1]
+        elif pre[0] >= lq[0]:
+            pre[0] = pre[0] * 7 // 10
+        else:
+            lq[0] = lq[0] * 7 // 10
+
+
+def gen_prefill(rng, pal):
+    fam = pal[int(rng.choice(3, p=[0.4, 0.25, 0.35]))]
+    p = dict(dtype=fam["dtype"], hs=fam["hs"], layout=fam["layout"])
+    p["bs"] = int(_pick(rng, paged.BLOCK_SIZES if p["layout"] == "vllm" else
+                        paged.NHD_BLOCK_SIZES))
+    p["nkv"] = int(_pick(rng, (1, 1, 2, 4)))
+    p["gqa"] = int(_pick(rng, (1, 2, 4, 8, 16), p=[0.2, 0.2, 0.3, 0.2, 0.1]))
+    regime = _pick(rng, ("spec", "mixed", "chunk"), p=[0.45, 0.35, 0.2])
+    batch = int(rng.integers(1, 4 if regime == "chunk" else 9))
+    lq = [_q_short(rng) for _ in range(batch)]
+    if regime == "mixed":                # a few chunk-sized queries among the short ones
+        for i in rng.choice(batch, min(batch, int(rng.integers(1, 3))), replace=False):
+            lq[int(i)] = int(rng.integers(17, 401))
+    elif regime == "chunk":
+        lq = [_length(rng, 400) for _ in range(batch)]
+    prefix = []                          # cached tokens before the new ones
+    for a in lq:
+        u = rng.random()
+        if u < 0.15:
+            prefix.append(0)             # a first chunk: the whole context is new
+        elif u < 0.2 and a <= 16:
+            prefix.append(int(rng.integers(4096, 12289)))      # a long context
+        else:
+            prefix.append(_length(rng, int(_pick(rng, (64, 600, 3000))) if a <= 16 else 1000))
+    p.update(lens_q=lq, prefix=prefix)
+    _fit_prefill(p)
+    ctx = [a + b for a, b in zip(p["lens_q"], p.pop("prefix"))]
+    shared = 0
+    if len(ctx) > 1 and rng.random() < 0.2:    # prefix caching: the first blocks shared
+        shared = int(rng.integers(0, min(ctx) // p["bs"] + 1))
+    p.update(ctx=ctx, shared=shared, extra_table=int(rng.integers(0, 4)),
+             pad_q=int(_pick(rng, (0, 0, 0, 3))),              # rows past cu_seqlens_q[-1]
+             extra_max=int(_pick(rng, (0, 0, 0, 1, 7))))       # max_seqlen_q above the longest
+    # the mask: causal (bottom-right, the default), or the family's other one
+    kind = "causal" if rng.random() < 0.6 else fam["mask"]
+    p["causal"], p["window"] = kind == "causal", (-1, -1)
+    if kind == "window":                 # always the window form: a bounded side
+        n = max(ctx)
+        p["causal"] = bool(rng.random() < 0.4)
+        left, right = _side(rng, n), _side(rng, n)
+        if left < 0 and (p["causal"] or right < 0):
+            left = int(rng.integers(0, n + 1))
+        p["window"] = (left, right)
+    _set_hooks(rng, p, fam["hooks"])
+    values = _pick(rng, ("normal", "big", "offset", "vmax"), p=[0.7, 0.1, 0.1, 0.1])
+    values = _hook_values(p, "normal" if values == "vmax" and p["dtype"] != "f16" else values)
+    p.update(values=values, scale=_scale(rng, values, p["hs"]),
+             num_splits=int(_pick(rng, (0, 1, 2, 3, 4, 8, 16, 64),
+                                  p=[0.3, 0.25, 0.1, 0.1, 0.1, 0.05, 0.05, 0.05])),
+             return_lse=bool(rng.random() < 0.75), out=_pick(rng, ("none", "contig", "strided")),
+             q_strided=bool(rng.random() < 0.4), cache_strided=bool(rng.random() < 0.3),
+             table_strided=bool(rng.random() < 0.3))
+    return p
+
+
+def build_prefill(p, rng):
+    h = p["nkv"] * p["gqa"]
+    c = _paged_cache(rng, p["ctx"], nkv=p["nkv"], hs=p["hs"], bs=p["bs"], dtype=p["dtype"],
+                     layout=p["layout"], extra_table=p["extra_table"], shared=p["shared"],
+                     values=p["values"])
+    cu = _cu(p["lens_q"])
+    c["q"] = _q_values(rng, (cu[-1] + p["pad_q"], h, p["hs"]), p["values"], DT[p["dtype"]])
+    c["alibi_slopes"], c["sinks"] = _hook_arrays(rng, p, h)
+    refs, v_max = [], 0.0
+    for s in range(len(p["ctx"])):       # query i of s at position ctx - q_len + i
+        k, v = _gather(c, p["layout"], s)
+        refs.append(_attn_ref(c["q"][None, cu[s]:cu[s + 1]], k[None], v[None], p["causal"],
+                              p["window"], p["scale"], p["dtype"], p["softcap"],
+                              c["alibi_slopes"], c["sinks"]))
+        v_max = max(v_max, float(np.abs(v).max(initial=0.0)))
+    c.update(cu_q=cu, rows=int(cu[-1]), ref=np.concatenate([r[0][0] for r in refs]),
+             ref_lp=np.concatenate([r[1][0] for r in refs]),
+             ref_lse=np.concatenate([r[2][0] for r in refs], axis=1),
+             slack=_softcap_slack(p["softcap"], max(r[3] for r in refs), v_max))
+    return c
+
+
+def call_prefill(p, c, rng):
+    import cupy as cp
+    q = _place(c["q"], rng, p["q_strided"])[0]
+    kc, vc = (_place(c[n], rng, p["cache_strided"])[0] for n in ("k_cache", "v_cache"))
+    table = c["block_tables"]
+    if p["table_strided"]:               # a view of a wider table, its extra columns spare
+        wide = np.full((table.shape[0], table.shape[1] + 3), c["spare"][0], np.int32)
+        wide[:, :table.shape[1]] = table
+        bt = cp.asarray(wide)[:, :table.shape[1]]
+    else:
+        bt = cp.asarray(table)
+    out, store, outside = _poisoned_out(c["q"].shape, c["q"].dtype, rng, p["out"])
+    res = cuattn.paged_prefill(
+        q, kc, vc, bt, cp.asarray(c["seq_lens"]), cp.asarray(c["cu_q"]),
+        max(p["lens_q"]) + p["extra_max"], causal=p["causal"], softmax_scale=p["scale"],
+        window_size=p["window"], kv_layout=p["layout"], return_lse=p["return_lse"],
+        num_splits=p["num_splits"], out=out, **_hook_args(p, c, rng))
+    return _flash_result(res, p, out, store, outside)
+
+
+def kernels_prefill(p, arch):
+    """What kernels_flash enumerates, for tuning.paged_prefill_variant."""
+    max_sq = max(p["lens_q"]) + p["extra_max"]
+    if max_sq == 0:
+        return []
+    mask, features = _mask_of(p), _features(p)
+    kv = KV_PAGED_NHD if p["layout"] == "nhd" else KV_PAGED_VLLM
+
+    def fwd(split):
+        return tuning.paged_prefill_variant(p["dtype"], p["hs"], mask=mask, split=split,
+                                            arch=arch, kv=kv, features=features,
+                                            rows=max_sq * p["gqa"])
+    max_blocks = max(max(-(-n // p["bs"]) for n in p["ctx"]) + p["extra_table"], 1)
+    tiles = -(-max_blocks * p["bs"] // fwd(False).block_n)
+    extra = [fwd(True), tuning.flash_combine_variant(p["dtype"], p["hs"],
+                                                     sinks=bool(features & FEAT_SINKS))]
+    return [fwd(False)] + (extra if _may_split(p["num_splits"], tiles, len(p["ctx"])) else [])
+
+
+def work_prefill(p):
+    h, d, bs = p["nkv"] * p["gqa"], p["hs"], p["bs"]
+    slots = sum(-(-n // bs) * bs for n in p["ctx"]) + 5 * bs
+    macs = sum(h * a * n * (3 * d + 30) + 40 * d * (h * a + 2 * p["nkv"] * n)
+               for a, n in zip(p["lens_q"], p["ctx"]))
+    return macs / 7.5e9 + slots * p["nkv"] * d / 1e8 + 1e-3
+
+
 # ---- the runner ----------------------------------------------------------------------------
 
 Spec = namedtuple("Spec", "palette gen build call check oracle kernels work")
@@ -790,6 +1291,8 @@ SPECS = {
                             oracle_flash, kernels_paged, work_paged),
     "reshape_and_cache": Spec(lambda r: None, gen_reshape, build_reshape, call_reshape,
                               check_reshape, oracle_reshape, kernels_reshape, work_reshape),
+    "paged_prefill": Spec(_prefill_palette, gen_prefill, build_prefill, call_prefill,
+                          check_flash, oracle_flash, kernels_prefill, work_prefill),
 }
 
 
@@ -882,7 +1385,7 @@ def test_fast_flash_reference_matches_attention_ref(dt):
     for causal, window, sq, sk, h, hkv in _REF_CASES:
         q = rng.standard_normal((2, sq, h, 40)).astype(DT[dt])
         k, v = (rng.standard_normal((2, sk, hkv, 40)).astype(DT[dt]) for _ in "kv")
-        ref, ref_lp, lse = _attn_ref(q, k, v, causal, window, 0.2, dt)
+        ref, ref_lp, lse, _ = _attn_ref(q, k, v, causal, window, 0.2, dt)
         kw = dict(causal=causal, window=window, scale=0.2)
         want, want_lse = attention_ref(q, k, v, **kw)
         want_lp, _ = attention_ref(q, k, v, lowp=DT[dt], **kw)
@@ -914,3 +1417,154 @@ def test_harness_on_cpu_with_an_oracle(fn):
         bitten += 1
     print(f"{fn}: 30 cases on the CPU in {time.perf_counter() - t0:.1f} s, {bitten} perturbed")
     assert bitten >= 10
+
+
+def _hook_kinds(fn, p):
+    """The new options a case exercises."""
+    kinds = {k for k in ("softcap", "alibi", "sinks") if p.get(k)}
+    if fn == "paged_attention" and p["window"][0] >= 0:
+        kinds.add("window")
+    if p.get("layout") == "nhd":
+        kinds.add("nhd")
+    return kinds
+
+
+@pytest.mark.parametrize("fn", ["flash_forward", "flash_varlen_forward", "paged_attention",
+                                "paged_prefill"])
+def test_hooked_cases_on_cpu_with_an_oracle(fn):
+    """The generic oracle test on cases that carry hooks (and, for paged_attention, windows
+    and the NHD layout): every kind occurs in the default N cases, and the first cases of
+    each kind pass for the rounded reference and fail for a perturbed one."""
+    spec = SPECS[fn]
+    cases = _cases(fn, 11, range(DEFAULT_CASES))
+    want = {"softcap", "alibi", "sinks"} | ({"window", "nhd"} if fn == "paged_attention" else
+                                           {"nhd"} if fn == "paged_prefill" else set())
+    seen = {k: [] for k in want}
+    for i, p in cases:
+        for k in _hook_kinds(fn, p):
+            seen[k].append(i)
+    assert all(seen.values()), {k: len(v) for k, v in seen.items()}
+    picked = sorted({i for v in seen.values() for i in v[:3]})
+    by_index = dict(cases)
+    bitten = 0
+    for i in picked:
+        p = by_index[i]
+        c = spec.build(p, _rng(11, fn, i, 1))
+        got = spec.oracle(p, c)
+        spec.check(p, c, got)
+        bad = _perturbed(got)
+        if bad["out"].size and np.abs(c["ref"]).max(initial=0) > 0:
+            with pytest.raises(AssertionError):
+                spec.check(p, c, bad)
+            bitten += 1
+    print(f"{fn}: {len(picked)} hooked cases, {bitten} perturbed; "
+          f"{ {k: len(v) for k, v in seen.items()} } of {DEFAULT_CASES}")
+    assert bitten >= len(picked) // 2
+
+
+def test_fast_reference_with_hooks_matches_attention_reference():
+    """_attn_ref with softcap / ALiBi / sinks equals tests/reference.py attention_reference
+    (float64, one sequence and head at a time), rows that see no key included."""
+    rng = np.random.default_rng(1)
+    for causal, window, sq, sk, h, hkv in _REF_CASES + [(True, (0, 0), 9, 3, 4, 2)]:
+        q = rng.standard_normal((2, sq, h, 40)).astype(DT["bf16"])
+        k, v = (rng.standard_normal((2, sk, hkv, 40)).astype(DT["bf16"]) for _ in "kv")
+        for softcap, alibi, sinks in ((1.5, None, None), (0.0, _slopes(rng, h), None),
+                                      (0.0, None, _sinks(rng, h)),
+                                      (7.0, _alibi_std(h), _sinks(rng, h))):
+            ref, _, lse, cap = _attn_ref(q, k, v, causal, window, 0.3, "bf16", softcap, alibi,
+                                         sinks)
+            for b in range(2):
+                want, want_lse = attention_reference(q[b], k[b], v[b], 0.3, causal=causal,
+                                                     window=window, softcap=softcap,
+                                                     alibi=alibi, sinks=sinks)
+                assert np.allclose(ref[b], want, atol=1e-12)
+                assert np.allclose(lse[b], want_lse, atol=1e-12)
+            assert (cap > 0) == (softcap > 0 and sq * sk > 0) and cap <= softcap
+
+
+def test_softcap_slack_covers_an_approximate_tanh():
+    """A reference whose tanh is off by the kernels' relative error 2^-10.99 (each element the
+    worse way, or at random) passes check_flash with the softcap slack; one off by 2^-5 (a
+    wrong or much cruder tanh) fails it where the cap is not tiny."""
+    rng = np.random.default_rng(2)
+    for trial in range(16):
+        dtype = ("f16", "bf16")[trial % 2]
+        softcap = (0.5, 3.0, 20.0, 50.0)[trial // 4]
+        sq, sk, h, hkv, d = 33, 200, 4, 2, 64
+        q = (rng.standard_normal((1, sq, h, d)) * (1, 4)[trial // 2 % 2]).astype(DT[dtype])
+        k, v = (rng.standard_normal((1, sk, hkv, d)).astype(DT[dtype]) for _ in "kv")
+        p = dict(dtype=dtype, return_lse=True)
+        ref, ref_lp, lse, cap = _attn_ref(q, k, v, True, (-1, -1), 0.5, dtype, softcap)
+        c = dict(ref=ref, ref_lp=ref_lp, ref_lse=lse,
+                 slack=_softcap_slack(softcap, cap, _v_max(v)))
+        for err, sign in ((2.0 ** -10.99, 1.0), (2.0 ** -10.99, None), (2.0 ** -5, None)):
+            if sign is None:
+                sign = rng.choice([-1.0, 1.0], (1, h, sq, sk))
+            approx, _, approx_lse, _ = _attn_ref(
+                q, k, v, True, (-1, -1), 0.5, dtype, softcap,
+                tanh=lambda x: np.tanh(x) * (1 + sign * err))      # noqa: B023
+            got = dict(out=approx.astype(DT[dtype]), lse=approx_lse.astype(np.float32))
+            if err < 2.0 ** -10:
+                check_flash(p, c, got)
+            elif softcap >= 3:
+                with pytest.raises(AssertionError):
+                    check_flash(p, c, got)
+
+
+def test_paged_cache_builder_and_gather():
+    """_paged_cache writes each sequence's tokens where the documented layouts say (read
+    back by _gather), shares the prefix blocks, and leaves NaN everywhere else: past each
+    length, in the spare blocks, which the table entries past a sequence's blocks name.
+    _cache_float dequantises fp8 exactly as test_paged._cache_values."""
+    rng = np.random.default_rng(3)
+    for layout, bs in (("vllm", 8), ("vllm", 32), ("nhd", 1), ("nhd", 16), ("nhd", 256)):
+        ctx = [70, 64, 65, 300, 64]      # (the shared prefix: 64 tokens where bs <= 64)
+        shared = 64 // bs if bs <= 64 else 0
+        c = _paged_cache(rng, ctx, nkv=2, hs=80, bs=bs, dtype="bf16", layout=layout,
+                         extra_table=2, shared=shared)
+        ks, vs = c["tokens"]
+        readable = np.zeros(c["k_cache"].shape[0], bool)
+        for s, n in enumerate(ctx):
+            k, v = _gather(c, layout, s)
+            assert np.array_equal(k, ks[s].astype(np.float64))
+            assert np.array_equal(v, vs[s].astype(np.float64))
+            nb = -(-n // bs)
+            assert np.isin(c["block_tables"][s, nb:], c["spare"]).all()
+            assert (c["block_tables"][s, :shared] == c["block_tables"][0, :shared]).all()
+            readable[c["block_tables"][s, :nb]] = True
+            if n % bs:                   # the slots past the length in its last block
+                last = c["block_tables"][s, nb - 1]
+                tail = c["k_cache"][last, n % bs:] if layout == "nhd" else \
+                    c["k_cache"][last, :, :, n % bs:]
+                assert np.isnan(tail.astype(np.float32)).all()
+        assert not readable[c["spare"]].any()
+        for cache in (c["k_cache"], c["v_cache"]):
+            assert np.isnan(cache[c["spare"]].astype(np.float32)).all()
+            filled = np.isfinite(cache.astype(np.float32)).sum()
+            assert filled == 2 * 80 * (sum(ctx) - (len(ctx) - 1) * shared * bs)
+    b = rng.integers(0, 256, 4096).astype(np.uint8)
+    for x in (b, b.view(E4M3)):
+        got, want = _cache_float(x, 0.37), _cache_values(x, 0.37)
+        assert np.array_equal(got, want, equal_nan=True)
+
+
+def test_prefill_reference_agrees_with_test_prefill():
+    """On test_prefill.make_batch's caches (its own writer), _gather + _attn_ref give what
+    test_prefill.batch_reference (attention_reference over the tokens it wrote) gives."""
+    from test_prefill import batch_reference, make_batch
+    rng = np.random.default_rng(4)
+    for layout, bs in (("vllm", 16), ("nhd", 4)):
+        b = make_batch(rng, contexts=[40, 300, 16, 7], q_lens=[1, 30, 16, 0], nkv=2, group=4,
+                       head_size=64, block_size=bs, dtype="bf16", layout=layout)
+        slopes, sinks = _alibi_std(8), _sinks(rng, 8)
+        hooks = dict(softcap=3.0, alibi=slopes, sinks=sinks)
+        for causal, window in ((True, (-1, -1)), (False, (20, 3))):
+            want, want_lse = batch_reference(b, 0.2, causal=causal, window=window, **hooks)
+            cu = b["cu_seqlens_q"]
+            for s in range(4):
+                k, v = _gather(b, layout, s)
+                ref, _, lse, _ = _attn_ref(b["q"][None, cu[s]:cu[s + 1]], k[None], v[None],
+                                           causal, window, 0.2, "bf16", 3.0, slopes, sinks)
+                assert np.allclose(ref[0], want[cu[s]:cu[s + 1]], atol=1e-12)
+                assert np.allclose(lse[0], want_lse[:, cu[s]:cu[s + 1]], atol=1e-12)

@@ -128,6 +128,9 @@ def _check_nhd_caches(k_cache, v_cache, q_dtype, head_size) -> CacheInfo:
         raise ValueError(f"k_cache: block_size {block_size} is not supported for kv_layout "
                          f"'nhd'; expected a power of two from 1 to 256")
     A.check_shape(v_cache, k_cache.shape, "v_cache", NHD_DOC)
+    if hs * k_cache.itemsize % 16:
+        raise ValueError(f"k_cache: head_size {hs} of {k_cache.dtype} is not a whole number of "
+                         "16-byte vectors (each token's row is written and read in them)")
     for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
         A.check_last_dim_contiguous(x, name)
         A.check_aligned(x, 16, name)      # each token's row is read in 16-byte vectors
@@ -177,6 +180,9 @@ def paged_kv_cache_shapes(num_blocks: int, nheads_kv: int, head_size: int, block
         if block_size not in NHD_BLOCK_SIZES:
             raise ValueError(f"block_size: {block_size} is not supported for kv_layout 'nhd'; "
                              "expected a power of two from 1 to 256")
+        if head_size * dt.itemsize % 16:
+            raise ValueError(f"head_size: {head_size} of {dt} is not a whole number of 16-byte "
+                             "vectors")
         shape = (int(num_blocks), block_size, int(nheads_kv), head_size)
         return shape, shape
     if block_size not in BLOCK_SIZES:
