@@ -246,9 +246,16 @@ PREFILL_FEW_ROWS = {16: FlashTiles(16, 32, 1, 3), 32: FlashTiles(32, 32, 2, 3),
                     64: FlashTiles(64, 64, 4, 2)}
 PREFILL_FEW_ROWS_WIDE = {32: FlashTiles(32, 32, 2, 2)}
 PREFILL_WIDE = FlashTiles(64, 32, 4, 2)
+# Long chunks at hd128, causal, no hooks, no split (the common prefill call): 128 rows per
+# block (MEASURED, bench/lab/prefill_sweep.py, H200, NHD, ctx 16384: 128x32x4w3s 332 TFLOP/s,
+# 128x64x4w2s 348, 64x64x4w2s 288; the dense call 334). With Q re-read from shared memory
+# (q_smem) this is the one 128-row packed form ptxas fits in 255 registers without spills;
+# its other forms (window, split, hooks) spill 4-32 B and keep 64x64.
+PREFILL_LONG_CAUSAL_HD128 = FlashTiles(128, 32, 4, 3, q_smem=1)
 
 
-def paged_prefill_tiles(arch: str, head_dim: int, rows: int) -> FlashTiles:
+def paged_prefill_tiles(arch: str, head_dim: int, rows: int, mask: int = MASK_CAUSAL,
+                        split: bool = False, features: int = 0) -> FlashTiles:
     forced = _overrides.get("prefill_tiles")
     if forced is not None:
         return forced
@@ -258,6 +265,8 @@ def paged_prefill_tiles(arch: str, head_dim: int, rows: int) -> FlashTiles:
             return tiles
     if head_dim > 128:
         return PREFILL_WIDE
+    if head_dim == 128 and mask == MASK_CAUSAL and not split and not features & ~FEAT_PACK_GQA:
+        return PREFILL_LONG_CAUSAL_HD128
     return flash_tiles(arch, head_dim, masked=True)
 
 
@@ -265,7 +274,7 @@ def paged_prefill_variant(dtype: str, head_size: int, *, mask: int, split: bool,
                           kv: int, features: int, rows: int) -> FlashFwdVariant:
     """paged_prefill's kernel: rows = max_seqlen_q x (query heads per KV head)."""
     hd = compiled_head_dim(head_size)
-    t = paged_prefill_tiles(arch, hd, rows)
+    t = paged_prefill_tiles(arch, hd, rows, mask, split, features)
     return _flash_variant(dtype, hd, t, mask, split, kv, features | FEAT_PACK_GQA)
 
 

@@ -27,11 +27,12 @@ FEW = [FlashTiles(16, 32, 1, 3), FlashTiles(16, 64, 1, 3), FlashTiles(16, 32, 1,
        FlashTiles(64, 32, 4, 3)]
 LONG = [FlashTiles(64, 64, 4, 2), FlashTiles(64, 64, 4, 3), FlashTiles(64, 64, 4, 2, kv_split=True),
         FlashTiles(128, 64, 4, 2), FlashTiles(128, 32, 4, 2), FlashTiles(128, 32, 4, 3),
-        FlashTiles(64, 32, 4, 3)]
+        FlashTiles(128, 32, 4, 3, q_smem=1), FlashTiles(64, 32, 4, 3)]
 
 
 def label(t):
-    return f"{t.block_m}x{t.block_n}x{t.num_warps}w{t.stages}s" + ("+kvs" if t.kv_split else "")
+    return f"{t.block_m}x{t.block_n}x{t.num_warps}w{t.stages}s" + ("+kvs" if t.kv_split else "") + \
+        ("+qs" if t.q_smem else "")
 
 
 def main():
