@@ -281,7 +281,9 @@ def _plan(c: Call) -> Plan:
     mask = _mask_kind(c.causal, left, right)
     grid_y = nheads // c.pack
     if c.batch > _MAX_GRID_YZ or grid_y > _MAX_GRID_YZ:
-        raise ValueError(f"q: batch {c.batch} and nheads {nheads} must each be <= {_MAX_GRID_YZ}")
+        heads = f"nheads {nheads}" if c.pack == 1 else f"nheads_kv {grid_y}"
+        raise ValueError(f"q: batch {c.batch} and {heads} must each be <= {_MAX_GRID_YZ} "
+                         "(grid dimensions)")
     slots, outputs, returned_slots, result = returns(
         c.num_args, [(c.out_arg if c.out is not None else None, c.q.shape, c.q.dtype)] +
         ([(None, c.lse_shape, np.float32)] if c.lse_shape is not None else []))
