@@ -86,6 +86,21 @@ def check_softmax_scale(value, head_dim: int, factor: float = 1.0) -> float:
     return value
 
 
+def check_window(window_size) -> tuple[int, int]:
+    """window_size = (left, right): two ints, each -1 (unbounded) or >= 0."""
+    try:
+        left, right = window_size
+    except (TypeError, ValueError):
+        left = right = None
+    if not all(isinstance(w, (int, np.integer)) and not isinstance(w, bool) for w in (left, right)):
+        raise TypeError(f"window_size: expected a pair of ints (left, right), got "
+                        f"{window_size!r}")
+    left, right = int(left), int(right)
+    if left < -1 or right < -1:
+        raise ValueError(f"window_size: each side is -1 (unbounded) or >= 0, got {window_size}")
+    return left, right
+
+
 def check_output(x: cupy.ndarray, shape: tuple, dtype, name: str, shape_doc: str,
                  device_id: int, *, align: int = 0, last_dim_contiguous: bool = True) -> None:
     """An out= style argument: the shape and dtype the call writes, on the call's device,

@@ -107,16 +107,7 @@ def _check_options(causal, softmax_scale, window_size, num_splits, return_lse, h
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
     softmax_scale = A.check_softmax_scale(softmax_scale, head_dim)
-    try:
-        left, right = window_size
-    except (TypeError, ValueError):
-        left = right = None
-    if not all(isinstance(w, (int, np.integer)) and not isinstance(w, bool) for w in (left, right)):
-        raise TypeError(f"window_size: expected a pair of ints (left, right), got "
-                        f"{window_size!r}")
-    left, right = int(left), int(right)
-    if left < -1 or right < -1:
-        raise ValueError(f"window_size: each side is -1 (unbounded) or >= 0, got {window_size}")
+    left, right = A.check_window(window_size)
     if isinstance(num_splits, bool) or not isinstance(num_splits, (int, np.integer)):
         raise TypeError(f"num_splits: expected an int, got {type(num_splits).__name__}")
     if num_splits < 0:

@@ -153,12 +153,15 @@ def compiled_head_dim(head_dim: int) -> int:
     return max(32, -(-head_dim // 32) * 32)
 
 
-def flash_tiles(arch: str, head_dim: int, masked: bool) -> FlashTiles:
+def flash_tiles(arch: str, head_dim: int, masked: bool, hooked: bool = False) -> FlashTiles:
     """Tiles for ``arch`` (``sm_XY``), a compiled head dim, and whether the form is masked
-    (causal or window) or split-KV, which use _FLASH_BIG_SMEM_MASKED where it has an entry."""
+    (causal or window) or split-KV, which use _FLASH_BIG_SMEM_MASKED where it has an entry,
+    and whether it has hooks or sinks (_FLASH_HOOKED_TILES, below)."""
     forced = _overrides.get("flash_tiles")
     if forced is not None:
         return forced
+    if hooked and head_dim in _FLASH_HOOKED_TILES:
+        return _FLASH_HOOKED_TILES[head_dim]
     if arch in ("sm_86", "sm_87", "sm_89"):
         return _FLASH_SMALL_SMEM[head_dim]
     if masked and head_dim in _FLASH_BIG_SMEM_MASKED:
@@ -189,9 +192,7 @@ def flash_forward_variant(dtype: str, head_dim: int, *, mask: int, split: bool,
         masked = masked or hd not in FLASH_HOOKED_PLAIN_HEAD_DIMS
         if hd >= FLASH_HOOKED_AS_WINDOW_MIN_HEAD_DIM and not split:
             mask = MASK_WINDOW
-    t = flash_tiles(arch, hd, masked=masked)
-    if features and hd in _FLASH_HOOKED_TILES and "flash_tiles" not in _overrides:
-        t = _FLASH_HOOKED_TILES[hd]
+    t = flash_tiles(arch, hd, masked=masked, hooked=features != 0)
     return _flash_variant(dtype, hd, t, mask, split, KV_DENSE, features)
 
 

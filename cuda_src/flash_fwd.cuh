@@ -181,11 +181,11 @@ struct KVSource {
   __device__ __forceinline__ int slot_of(int j) const {
     return j & ((1 << p.block_shift) - 1);
   }
-  // Element offsets of chunk ch of key j's K row and of its V row (not V_BY_DIM).
+  // Element offsets of chunk ch of key j's K row and of its V row
+  // (vLLM's layout has its own K path and a [dim][key] V tile: dense and NHD only.)
   __device__ __forceinline__ long long k_offset(int j, int ch) const {
     if constexpr (!Tr::PAGED) return (long long)j * p.k_stride_row + ch * 8;
-    const long long chunk = Tr::KV == kKvPagedVllm ? ch * p.k_stride_chunk : ch * 8;
-    return block_of(j) * p.k_stride_block + slot_of(j) * p.k_stride_row + chunk;
+    return block_of(j) * p.k_stride_block + slot_of(j) * p.k_stride_row + ch * 8;
   }
   __device__ __forceinline__ long long v_offset(int j, int ch) const {
     if constexpr (!Tr::PAGED) return (long long)j * p.v_stride_row + ch * 8;
@@ -241,7 +241,7 @@ struct KVSource {
         vs += v_step;
       }
     } else if constexpr (Tr::EVEN_ROWS) {
-      // Paged: thread group ld_row copies chunk ld_ch of the RPT consecutive keys
+      // NHD: thread group ld_row copies chunk ld_ch of the RPT consecutive keys
       // [ld_row * RPT, +RPT) of the tile (16 threads still cover a row's 256 bytes): they
       // share one cache block whenever block_size >= RPT, so the block table is read once
       // per tile (again only where a key starts a new block) and K and V share the entry.
@@ -250,7 +250,7 @@ struct KVSource {
       constexpr int RPT = Tr::BLOCK_N / Tr::ROWS_PER_PASS;
       const int r0 = ld_row * RPT;
       const int key0 = tile * Tr::BLOCK_N + r0;
-      const long long k_chunk = Tr::KV == kKvPagedVllm ? ld_ch * p.k_stride_chunk : ld_ch * 8;
+      const long long chunk = ld_ch * 8;
       const T* kp = k;
       const T* vp = v;
 #pragma unroll
@@ -259,7 +259,7 @@ struct KVSource {
         const bool ok = ld_ch_ok && key < sk;
         if (it == 0 || slot_of(key) == 0) {
           const long long blk = key < sk ? block_of(key) : 0;
-          kp = k + blk * p.k_stride_block + slot_of(key) * p.k_stride_row + k_chunk;
+          kp = k + blk * p.k_stride_block + slot_of(key) * p.k_stride_row + chunk;
           vp = v + blk * p.v_stride_block + slot_of(key) * p.v_stride_row + ld_ch * 8;
         }
         const u32 off = swizzled_offset<D_CHUNKS>(r0 + it, ld_ch);
@@ -446,13 +446,7 @@ struct WarpSoftmax {
         SoftmaxState& st = row[mt][hr];
         st.sum += __shfl_xor_sync(0xffffffffu, st.sum, 1);
         st.sum += __shfl_xor_sync(0xffffffffu, st.sum, 2);
-        float alpha = 1.f;
-        if constexpr (WITH_SINKS) {
-          const float m = fmaxf(st.max, sink[mt][hr]);
-          const float b = SoftmaxState::base(m, scale);
-          alpha = st.rescale(m, scale, b);
-          st.sum += SoftmaxState::weight(sink[mt][hr], scale, b);
-        }
+        const float alpha = WITH_SINKS ? st.add_sink(sink[mt][hr], scale) : 1.f;
         r.inv_sum[mt][hr] = alpha * st.inv_sum();
         r.lse[mt][hr] = st.lse(scale);
       }
@@ -853,7 +847,7 @@ __device__ void flash_fwd_kernel(const FlashFwdParams& p) {
   for (int mt = 0; mt < M_TILES; ++mt) {
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
-      const int R = min(m0 + warp * Tr::WARP_M + mt * 16 + g + hr * 8, m_last);
+      const int R = min(row_of(mt, hr), m_last);
       sink[mt][hr] = FINISH_SINKS
                          ? static_cast<const float*>(p.sinks)[qrows.head(R)] * p.softmax_scale_inv
                          : 0.f;

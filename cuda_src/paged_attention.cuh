@@ -143,9 +143,9 @@ __device__ void paged_attention_kernel(const PagedParams& p) {
   const int end_tok = range.end;
   if (start_tok >= end_tok) {   // an empty sequence (v1), or a partition before the window
     for (int i = tid; i < GROUP * HEAD_SIZE; i += NUM_THREADS) output.store(i / HEAD_SIZE, i % HEAD_SIZE, 0.f);
-    if (tid < GROUP) {
-      const float sink = Tr::SINKS && !V2 ? static_cast<const float*>(p.sinks)[head0 + tid] : 0.f;
-      output.store_lse(tid, Tr::SINKS && !V2 ? sink : neg_inf());   // v1 with a sink: lse = sink
+    if (tid < GROUP) {   // v1 with a sink: lse = the sink
+      output.store_lse(tid, Tr::SINKS && !V2 ? static_cast<const float*>(p.sinks)[head0 + tid]
+                                             : neg_inf());
     }
     return;
   }
@@ -279,13 +279,8 @@ __device__ void paged_attention_kernel(const PagedParams& p) {
 #pragma unroll
     for (int h = 1; h < GROUP; ++h) st.max = tid == h ? row_max[h] : st.max;
     for (int w = 0; w < NUM_WARPS; ++w) st.sum += red_s[w * GROUP + tid];
-    float alpha = 1.f;
-    if constexpr (Tr::SINKS && !V2) {   // a state {sink, 1} of no value (v2: in the reduce)
-      const float m = fmaxf(st.max, sink_s[tid]);
-      const float b = SoftmaxState::base<false>(m, 1.f);
-      alpha = st.rescale(m, 1.f, b);
-      st.sum += SoftmaxState::weight(sink_s[tid], 1.f, b);
-    }
+    // (v2: the sinks join in the reduce)
+    const float alpha = Tr::SINKS && !V2 ? st.add_sink<false>(sink_s[tid], 1.f) : 1.f;
     state_s[tid] = st;
     inv_sum_s[tid] = p.v_scale * alpha * st.inv_sum();
   }

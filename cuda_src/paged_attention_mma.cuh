@@ -347,12 +347,8 @@ __device__ void paged_attention_mma_kernel(const PagedParams& p) {
       block.sum = fmaf(state_s[w][h].sum, SoftmaxState::weight(state_s[w][h].max, 1.f, b), block.sum);
       acc += merge[(w * 8 + h) * Tr::MERGE_ROW + d];
     }
-    if constexpr (Tr::SINKS && !V2) {   // a state {sink, 1} of no value (v2: in the reduce)
-      const float sink = static_cast<const float*>(p.sinks)[head0 + h] * kLog2e;
-      const float m = fmaxf(block.max, sink);
-      const float bs = SoftmaxState::base(m, 1.f);
-      acc *= block.rescale(m, 1.f, bs);
-      block.sum += SoftmaxState::weight(sink, 1.f, bs);
+    if constexpr (Tr::SINKS && !V2) {   // (v2: in the reduce)
+      acc *= block.add_sink(static_cast<const float*>(p.sinks)[head0 + h] * kLog2e, 1.f);
     }
     output.store(h, d, acc * block.inv_sum());   // an empty sequence (v1) gives zeros
     if (d == 0) output.store_lse(h, block.lse(1.f));

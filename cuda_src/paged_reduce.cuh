@@ -107,12 +107,8 @@ __device__ void paged_attention_reduce_kernel(const PagedReduceParams& p) {
       acc.z = fmaf(w, a.z, acc.z); acc.w = fmaf(w, a.w, acc.w);
     }
   }
-  if constexpr (Tr::SINKS) {   // a state {sink, 1} of no value (natural-log units)
-    const float sink = static_cast<const float*>(p.sinks)[head];
-    const float m = fmaxf(st.max, sink);
-    const float b = SoftmaxState::base(m, kLog2e);
-    const float alpha = st.rescale(m, kLog2e, b);
-    st.sum += SoftmaxState::weight(sink, kLog2e, b);
+  if constexpr (Tr::SINKS) {   // natural-log units
+    const float alpha = st.add_sink(static_cast<const float*>(p.sinks)[head], kLog2e);
     acc.x *= alpha; acc.y *= alpha; acc.z *= alpha; acc.w *= alpha;
   }
   const float inv = st.inv_sum();

@@ -41,6 +41,7 @@ from cuattn.variants import (FEAT_ALIBI, FEAT_SINKS, FEAT_SOFTCAP, KV_PAGED_NHD,
                              MASK_CAUSAL, MASK_NONE, MASK_WINDOW)
 from test_flash import _floor, _round, _visible, attention_ref
 from test_paged import E4M3, _cache_values, make_case, paged_reference
+from test_prefill import write_tokens
 from tests.reference import attention_reference, merge_reference, tolerance
 
 N_CASES = int(os.environ.get("CUATTN_FUZZ_CASES", 300))
@@ -755,12 +756,7 @@ def _paged_cache(rng, contexts, *, nkv, hs, bs, dtype, layout, extra_table, shar
         k, v = _kv_values(rng, (n, nkv, hs), values, dt)
         k[:shared * bs], v[:shared * bs] = pre_k, pre_v
         tok = np.arange(n)
-        blk, off = table[s, tok // bs], tok % bs
-        if layout == "nhd":              # [blk, off, h, d]
-            k_cache[blk, off], v_cache[blk, off] = k, v
-        else:                            # K [blk, h, d // x, off, d % x], V [blk, h, d, off]
-            k_cache[blk, :, :, off, :] = k.reshape(n, nkv, hs // x, x)
-            v_cache[blk, :, :, off] = v
+        write_tokens(k_cache, v_cache, layout, table[s, tok // bs], tok % bs, k, v)
         ks.append(k)
         vs.append(v)
     return dict(k_cache=k_cache, v_cache=v_cache, block_tables=table,

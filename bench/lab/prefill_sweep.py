@@ -35,45 +35,45 @@ def label(t):
         ("+qs" if t.q_smem else "")
 
 
-def main():
-    quick = "--quick" in sys.argv
-    ceil = measure_ceilings(quick=True)
-    print(f"read ceiling {ceil.read_gbps:.0f} GB/s", flush=True)
-    rows = []
-    verify = [(32, 4096, 2), (64, 4096, 4), (32, 16384, 8)] if not quick else [(64, 4096, 4)]
-    for batch, ctx, q_len in verify:
-        case = PagedCase(batch, ctx, q_len, "vllm", 16)
-        ref = case.prefill()()
-        ref = ref.copy()
-        row = {"config": f"verify {batch} x ctx {ctx}, {q_len} new"}
-        for t in FEW:
-            with tuning.override(prefill_tiles=t):
-                try:
-                    got = case.prefill()()
-                    ok = bool(cupy.allclose(got.astype(cupy.float32), ref.astype(cupy.float32),
-                                            atol=2e-2))
-                    ms = _graph_ms(case.prefill(), flush=True)
-                    bw = 100 * case.kv_bytes / ms / 1e6 / ceil.read_gbps
-                    row[label(t)] = f"{bw:.0f}%" + ("" if ok else " WRONG")
-                except Exception as e:   # noqa: BLE001 (a lab sweep goes on)
-                    row[label(t)] = f"error {type(e).__name__}"
-        rows.append(row)
-        del case
-        cupy.get_default_memory_pool().free_all_blocks()
-    case = PagedCase(8, 16384, 2048, "nhd", 16)
+def sweep(case, tiles, score) -> dict:
+    """label(t) -> score(case, ms) for each candidate tile (WRONG where its output differs
+    from the tuning table's, "error ..." where it does not compile or launch)."""
     ref = case.prefill()().copy()
-    row = {"config": "prefill 8 x 2048 / ctx 16384 (TFLOP/s)"}
-    for t in LONG:
+    cells = {}
+    for t in tiles:
         with tuning.override(prefill_tiles=t):
             try:
                 got = case.prefill()()
                 ok = bool(cupy.allclose(got.astype(cupy.float32), ref.astype(cupy.float32),
                                         atol=2e-2))
-                ms = _graph_ms(case.prefill())
-                row[label(t)] = f"{case.flops / ms / 1e9:.0f}" + ("" if ok else " WRONG")
-            except Exception as e:   # noqa: BLE001
-                row[label(t)] = f"error {type(e).__name__}"
-    rows.append(row)
+                cells[label(t)] = score(case) + ("" if ok else " WRONG")
+            except Exception as e:   # noqa: BLE001 (a lab sweep goes on)
+                cells[label(t)] = f"error {type(e).__name__}"
+    return cells
+
+
+def main():
+    quick = "--quick" in sys.argv
+    ceil = measure_ceilings(quick=True)
+    print(f"read ceiling {ceil.read_gbps:.0f} GB/s", flush=True)
+
+    def read_bw(case):   # after a clean L2 flush
+        ms = _graph_ms(case.prefill(), flush=True)
+        return f"{100 * case.kv_bytes / ms / 1e6 / ceil.read_gbps:.0f}%"
+
+    def tflops(case):
+        return f"{case.flops / _graph_ms(case.prefill()) / 1e9:.0f}"
+
+    rows = []
+    verify = [(32, 4096, 2), (64, 4096, 4), (32, 16384, 8)] if not quick else [(64, 4096, 4)]
+    for batch, ctx, q_len in verify:
+        case = PagedCase(batch, ctx, q_len, "vllm", 16)
+        rows.append({"config": f"verify {batch} x ctx {ctx}, {q_len} new",
+                     **sweep(case, FEW, read_bw)})
+        del case
+        cupy.get_default_memory_pool().free_all_blocks()
+    rows.append({"config": "prefill 8 x 2048 / ctx 16384 (TFLOP/s)",
+                 **sweep(PagedCase(8, 16384, 2048, "nhd", 16), LONG, tflops)})
     print(format_table(rows, f"paged_prefill tiles (shipped: {tuning.PREFILL_FEW_ROWS})"))
 
 

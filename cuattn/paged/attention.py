@@ -75,17 +75,10 @@ def auto_version(q_shape, cache_dtype, nheads_kv: int, block_size: int, max_bloc
     return version if version == "v1" else f"v2 p{ps}"
 
 
-def _check_window(window_size) -> int:
-    """The kernels' window_left: keys j >= seq_len - 1 - window_left."""
-    try:
-        left, right = window_size
-    except (TypeError, ValueError):
-        left = right = None
-    if not all(isinstance(w, (int, np.integer)) and not isinstance(w, bool) for w in (left, right)):
-        raise TypeError(f"window_size: expected a pair of ints (left, right), got {window_size!r}")
-    if left < -1 or right < -1:
-        raise ValueError(f"window_size: each side is -1 (unbounded) or >= 0, got {window_size}")
-    return _UNBOUNDED if left < 0 else min(int(left), _UNBOUNDED)
+def _window_left(window_size) -> int:
+    """The kernels' window_left: keys j >= seq_len - 1 - window_left (right is moot)."""
+    left, _ = A.check_window(window_size)
+    return _UNBOUNDED if left < 0 else min(left, _UNBOUNDED)
 
 
 def _plan(arrays, softmax_scale, k_scale, v_scale, softcap, window_size, kv_layout, version,
@@ -114,7 +107,7 @@ def _plan(arrays, softmax_scale, k_scale, v_scale, softcap, window_size, kv_layo
                          f"{info.num_kv_heads}")
     check_tables(block_tables, seq_lens, num_seqs)
     features, softcap = check_hooks(softcap, alibi_slopes, sinks, num_heads, q.device.id)
-    window_left = _check_window(window_size)
+    window_left = _window_left(window_size)
     if not isinstance(version, str) or version not in ("auto", "v1", "v2"):
         raise ValueError(f"version: expected 'auto', 'v1' or 'v2', got {version!r}")
     if partition_size is not None:

@@ -49,12 +49,6 @@ class CacheInfo:
                     k_stride_token=ks[3], v_stride_block=vs[0], v_stride_head=vs[1],
                     v_stride_dim=vs[2], v_stride_token=1)
 
-    def decode_strides(self, k_cache, v_cache) -> dict:
-        """The strides paged_attention's params take (vLLM's layout)."""
-        strides = self.strides(k_cache, v_cache)
-        del strides["v_stride_token"]
-        return strides
-
 
 def cache_dtype(x, name: str, q_dtype) -> str:
     """Short name of a cache dtype: the activation dtype itself, or e4m3 (float8_e4m3fn/uint8)."""

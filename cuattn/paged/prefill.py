@@ -107,17 +107,14 @@ def _plan(arrays, max_seqlen_q, causal, softmax_scale, window_size, softcap, k_s
     qs = A.element_strides(q)
     lse_shape = (nheads, total_q)
     ls = A.element_strides_or_contiguous(None, lse_shape) if return_lse else (0, 0)
-    ks, vs = A.element_strides(k_cache), A.element_strides(v_cache)
-    if kv_layout == "nhd":    # (num_blocks, block_size, nheads_kv, head_size)
-        kv = KV_PAGED_NHD
-        cache = dict(k_stride_block=ks[0], k_stride_row=ks[1], k_stride_head=ks[2],
-                     v_stride_block=vs[0], v_stride_row=vs[1], v_stride_head=vs[2],
-                     k_stride_chunk=8, v_stride_dim=0)
-    else:                     # K (blocks, heads, head_size / 8, block_size, 8), V (blocks, heads, head_size, block_size)
-        kv = KV_PAGED_VLLM
-        cache = dict(k_stride_block=ks[0], k_stride_head=ks[1], k_stride_chunk=ks[2],
-                     k_stride_row=ks[3], v_stride_block=vs[0], v_stride_head=vs[1],
-                     v_stride_dim=vs[2], v_stride_row=1)
+    # The caches' strides (layout.CacheInfo.strides) under FlashFwdParams' names: a token's
+    # slot is its K / V "row", a 16-byte vector of K its "chunk".
+    s = info.strides(k_cache, v_cache)
+    cache = dict(k_stride_block=s["k_stride_block"], k_stride_head=s["k_stride_head"],
+                 k_stride_row=s["k_stride_token"], k_stride_chunk=s["k_stride_x"],
+                 v_stride_block=s["v_stride_block"], v_stride_head=s["v_stride_head"],
+                 v_stride_row=s["v_stride_token"], v_stride_dim=s["v_stride_dim"])
+    kv = KV_PAGED_NHD if kv_layout == "nhd" else KV_PAGED_VLLM
     fields = dict(
         q_stride_batch=0, q_stride_row=qs[0], q_stride_head=qs[1], k_stride_batch=0,
         v_stride_batch=0, o_stride_batch=0, o_stride_row=os_[0], o_stride_head=os_[1],

@@ -74,6 +74,19 @@ struct SoftmaxState {
     return alpha;
   }
 
+  // Join an attention sink: a logit that counts in the denominator and carries no value,
+  // i.e. the state {sink, 1} merged into this one (FlashAttention's learnable sink,
+  // gpt-oss). Returns alpha, the factor that rescales the caller's accumulator.
+  // MAY_BE_EMPTY = false where the caller knows the row has seen a logit.
+  template <bool MAY_BE_EMPTY = true>
+  __device__ __forceinline__ float add_sink(float sink, float scale) {
+    const float m = fmaxf(max, sink);
+    const float b = base<MAY_BE_EMPTY>(m, scale);
+    const float alpha = rescale(m, scale, b);
+    sum += weight(sink, scale, b);
+    return alpha;
+  }
+
   // The normaliser of the accumulator: 1 / sum, or 0 for a row that saw nothing (zeros out).
   __device__ __forceinline__ float inv_sum() const { return sum > 0.f ? 1.f / sum : 0.f; }
 
