@@ -1,7 +1,8 @@
 """A/B of two cuattn trees in one process: is any configuration slower in the new tree?
 
     scripts/ab_prepare.sh OLD_COMMIT DIR        # DIR/cuattn_old/ + DIR/cuda_src/
-    PYTHONPATH=. python bench/ab.py --old DIR [--suites flash decode merge] [--quick] [--json F]
+    PYTHONPATH=. python bench/ab.py --old DIR [--suites flash decode merge verify] [--quick]
+        [--json F]
 
 "new" is the ``cuattn`` of this checkout (the tree holding this file), "old" is
 ``DIR/cuattn_old`` (the old commit's package, renamed; it finds its own kernels in
@@ -25,7 +26,8 @@ Configurations: the flash suite's (hd 64 / 128 at S 512..16384 and hd 256 at 204
 causal and not), three split-KV shapes (the num_splits=0 rule splits them), varlen (16
 sequences of mixed lengths, 16384 tokens), the decode suite's (kv heads 8 and 32, its
 CONFIGS, v1 / v2 / auto), fp8 decode (the CUDA-core form), the merge suite's, and
-merge_states with 4 states.
+merge_states with 4 states; "verify" (not run by default): paged_prefill with 2 / 4 / 8
+new tokens per sequence, the prefill suite's verify rows.
 """
 from __future__ import annotations
 
@@ -47,7 +49,7 @@ sys.path.insert(0, str(ROOT))
 import cupy  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench import suite_decode, suite_flash, suite_merge  # noqa: E402
+from bench import suite_decode, suite_flash, suite_merge, suite_prefill  # noqa: E402
 from bench.harness import CupyGraph, L2Flush, format_table, randn, with_path_first  # noqa: E402
 
 SLOWER = 1.02                 # new/old above this is flagged
@@ -169,6 +171,22 @@ def merge_cases(quick: bool) -> Iterator[Case]:
     yield Case("merge", f"merge_states k{k} {t}x{h}x{d}", make_states, calls=10)
 
 
+def verify_cases(quick: bool) -> Iterator[Case]:
+    """paged_prefill with a few new tokens per sequence (the prefill suite's verify rows):
+    vLLM layout, block 16, L2 flushed."""
+    for batch, ctx in suite_prefill.QUICK_VERIFY if quick else suite_prefill.VERIFY:
+        case = suite_prefill.PagedCase(batch, ctx, 1, "vllm", 16)
+        for q_len in suite_prefill.VERIFY_Q:
+            q = randn(batch * q_len, suite_prefill.NUM_HEADS, suite_prefill.HEAD)
+            cu = cupy.arange(0, (batch + 1) * q_len, q_len, dtype=np.int32)
+
+            def make(ca, q=q, cu=cu, q_len=q_len, c=case):
+                out = cupy.empty_like(q)
+                return (lambda: ca.paged_prefill(q, c.k_cache, c.v_cache, c.block_tables,
+                                                 c.seq_lens, cu, q_len, out=out)), out
+            yield Case("verify", f"{batch}x{ctx} {q_len} new", make, calls=1, flush=True)
+
+
 def cases(suites: list[str], quick: bool, new) -> Iterator[Case]:
     if "flash" in suites:
         yield from flash_cases(quick)
@@ -179,6 +197,8 @@ def cases(suites: list[str], quick: bool, new) -> Iterator[Case]:
         yield from fp8_decode_cases(quick)
     if "merge" in suites:
         yield from merge_cases(quick)
+    if "verify" in suites:
+        yield from verify_cases(quick)
 
 
 def _max_diff(a, b) -> float | None:
@@ -300,7 +320,7 @@ def main(argv=None) -> int:
     parser.add_argument("--old", required=True, type=Path,
                         help="directory holding cuattn_old/ and cuda_src/ (scripts/ab_prepare.sh)")
     parser.add_argument("--suites", nargs="+", default=["flash", "decode", "merge"],
-                        choices=["flash", "decode", "merge"])
+                        choices=["flash", "decode", "merge", "verify"])
     parser.add_argument("--quick", action="store_true", help="a few configurations per suite")
     parser.add_argument("--json", help="write the rows and the summary to this file")
     parser.add_argument("--no-precompile", action="store_true",

@@ -11,6 +11,8 @@ blocks). Kernel-only times (CUDA-graph replays, harness.median_ms graph=...) for
 - verify: 2, 4, 8 new tokens per sequence, batch 32 and 64, contexts 4k and 16k, vllm/16,
   beside paged_attention (one token, same cache); L2 flushed ("clean") before every replay,
   so K/V come from memory. "% read BW": K+V bytes / time over the read ceiling of this run.
+  paged_prefill runs its few-token form (multi-token decode); "flash-form us" is the same
+  call forced onto the flash kernel (tuning.override(prefill_form="flash")).
 - hooks: softcap 30, sinks, and a window that covers every key (the cost of the window
   code, not of fewer keys) against the same call without them.
 
@@ -22,6 +24,7 @@ import cupy
 import numpy as np
 
 import cuattn
+from cuattn import tuning
 from bench.harness import median_ms, randn
 
 NUM_HEADS, KV_HEADS, HEAD = 32, 8, 128
@@ -127,11 +130,14 @@ def verify_rows(ceilings, quick: bool) -> list[dict]:
             case.out = cupy.empty_like(case.q)
             case.cu_q = cupy.arange(0, (batch + 1) * q_len, q_len, dtype=np.int32)
             ms = _graph_ms(case.prefill(), flush=True)
+            with tuning.override(prefill_form="flash"):
+                flash_ms = _graph_ms(case.prefill(), flush=True)
             gbps = case.kv_bytes / ms / 1e6
             rows.append({"config": f"{batch} x ctx {ctx}", "new tokens": q_len,
                          "verify us": ms * 1e3, "decode us": decode_ms * 1e3,
                          "verify/decode": ms / decode_ms, "GB/s": gbps,
-                         "% read BW": 100 * gbps / ceilings.read_gbps})
+                         "% read BW": 100 * gbps / ceilings.read_gbps,
+                         "flash-form us": flash_ms * 1e3})
         del case
         cupy.get_default_memory_pool().free_all_blocks()
     return rows

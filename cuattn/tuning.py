@@ -24,6 +24,7 @@ _OVERRIDE_KEYS = {
     "prefill_tiles": "FlashTiles of paged_prefill's kernel",
     "paged_form": '"mma" or "simt": the paged decode form, wherever that form can run',
     "paged_mma": "PagedMmaTiles of the tensor-core paged form",
+    "prefill_form": '"decode" or "flash": paged_prefill\'s kernel, wherever that one can run',
 }
 _overrides: dict = {}
 
@@ -33,7 +34,7 @@ def override(**choices) -> Iterator[None]:
     """Force tuning choices for the calls made inside the block (sweeps and tests).
 
     Keys: flash_tiles (FlashTiles), prefill_tiles (FlashTiles), paged_form ("mma" / "simt"),
-    paged_mma (PagedMmaTiles).
+    paged_mma (PagedMmaTiles), prefill_form ("decode" / "flash").
     The launch plans cached so far are dropped on entry and on exit.
     """
     unknown = sorted(set(choices) - set(_OVERRIDE_KEYS))
@@ -41,6 +42,9 @@ def override(**choices) -> Iterator[None]:
         raise TypeError(f"override: unknown choice(s) {unknown}; known: {sorted(_OVERRIDE_KEYS)}")
     if choices.get("paged_form") not in (None, "mma", "simt"):
         raise ValueError(f"override: paged_form is 'mma' or 'simt', got {choices['paged_form']!r}")
+    if choices.get("prefill_form") not in (None, "decode", "flash"):
+        raise ValueError("override: prefill_form is 'decode' or 'flash', got "
+                         f"{choices['prefill_form']!r}")
     saved = dict(_overrides)
     _overrides.update(choices)
     _changed()
@@ -279,6 +283,41 @@ def paged_prefill_variant(dtype: str, head_size: int, *, mask: int, split: bool,
     return _flash_variant(dtype, hd, t, mask, split, kv, features | FEAT_PACK_GQA)
 
 
+# A few new tokens per sequence (speculative verification) run instead on the tensor-core
+# decode form (cuda_src/paged_attention_mma.cuh) as multi-token decode: a block's MMA
+# columns are the new tokens x query heads of one sequence, and each warp streams its own
+# cp.async ring, where the flash structure (one ring per block behind block barriers) stalled
+# at 57-66% of the read bandwidth at every tile (bench/NOTES.md, paged_prefill round 1).
+# Columns per block: at most 4 n-tiles, and NT x head_size / 16 <= 32 keeps O^T in 128
+# registers a lane (hd128: 32 columns, hd256: 16; 8 n-tiles at hd64 spilled 280-470 B);
+# heads per block shrink to fit the tokens.
+PREFILL_DECODE_MAX_TOKENS = 16
+
+
+def paged_prefill_form(cache: str, head_size: int, max_seqlen_q: int, total_q: int) -> str:
+    """"decode" (multi-token decode) or "flash": the kernel paged_prefill runs. (The decode
+    form's partition reduce has one grid row per query row: at most 65535.)"""
+    can_decode = (cache != "e4m3" and head_size % 16 == 0 and max_seqlen_q >= 1 and
+                  total_q <= 65535)
+    forced = _overrides.get("prefill_form")
+    if forced is not None:
+        return "decode" if forced == "decode" and can_decode else "flash"
+    return "decode" if can_decode and max_seqlen_q <= PREFILL_DECODE_MAX_TOKENS else "flash"
+
+
+def paged_multi_token(head_size: int, gqa_ratio: int, max_seqlen_q: int) -> tuple[int, int]:
+    """(tokens, group) of multi-token decode: the compiled tokens per sequence (a power of
+    two >= max_seqlen_q) and the query heads per block (a divisor of the GQA ratio)."""
+    tokens = 1 << max(0, max_seqlen_q - 1).bit_length()
+    max_cols = 8 * min(4, 32 // (head_size // 16))
+    if tokens > max_cols:
+        raise ValueError(f"max_seqlen_q: {max_seqlen_q} new tokens exceed the {max_cols} "
+                         f"columns of multi-token decode at head size {head_size}")
+    group = max(g for g in range(1, PAGED_MAX_GROUP + 1)
+                if gqa_ratio % g == 0 and tokens * g <= max_cols)
+    return tokens, group
+
+
 # ---- paged (paged_attention / reshape_and_cache) -------------------------------------------------
 # Query heads served by one thread block: the largest divisor of the GQA ratio <= this.
 # Every K/V byte is read num_heads / num_kv_heads / group times (once for ratios <= 8).
@@ -363,10 +402,13 @@ def paged_mma_tiles(head_size: int) -> PagedMmaTiles:
 
 def paged_mma_variant(dtype: str, head_size: int, block_size: int, group: int,
                       partition_size: int, alibi: bool, softcap: bool = False,
-                      sinks: bool = False, nhd: bool = False) -> PagedMmaVariant:
+                      sinks: bool = False, nhd: bool = False,
+                      tokens: int = 1) -> PagedMmaVariant:
+    """tokens > 1: multi-token decode (paged_multi_token)."""
     t = paged_mma_tiles(head_size)
     return PagedMmaVariant(dtype, head_size, block_size, group, partition_size, alibi,
-                           t.num_warps, t.stages, softcap, sinks and not partition_size, nhd)
+                           t.num_warps, t.stages, softcap, sinks and not partition_size, nhd,
+                           tokens)
 
 
 # Tensor-core form, version="auto" (and v2's partition when the call names none). MEASURED

@@ -50,7 +50,7 @@ MERGE_PARAMS = ParamsStruct("MergeParams", [
 PAGED_PARAMS = ParamsStruct("PagedParams", [
     ("out", "out"), ("lse", "out"), ("tmp_out", "out"), ("tmp_lse", "out"), ("q", "ptr"),
     ("k_cache", "ptr"), ("v_cache", "ptr"), ("block_tables", "ptr"), ("seq_lens", "ptr"),
-    ("alibi_slopes", "ptr"), ("sinks", "ptr"),
+    ("alibi_slopes", "ptr"), ("sinks", "ptr"), ("cu_seqlens_q", "ptr"),
     ("q_stride_seq", "i64"), ("q_stride_head", "i64"),
     ("out_stride_seq", "i64"), ("out_stride_head", "i64"),
     ("lse_stride_head", "i64"), ("lse_stride_seq", "i64"),
@@ -61,16 +61,16 @@ PAGED_PARAMS = ParamsStruct("PagedParams", [
     ("scale_log2", "f32"), ("v_scale", "f32"), ("softcap_in", "f32"), ("softcap_out", "f32"),
     ("num_seqs", "i32"), ("num_heads", "i32"), ("gqa_ratio", "i32"),
     ("max_blocks_per_seq", "i32"), ("max_parts", "i32"), ("logits_stride", "i32"),
-    ("window_left", "i32"),
+    ("window_left", "i32"), ("window_right", "i32"),
 ])
 
 PAGED_REDUCE_PARAMS = ParamsStruct("PagedReduceParams", [
     ("out", "out"), ("lse", "out"), ("tmp_out", "ptr"), ("tmp_lse", "ptr"), ("seq_lens", "ptr"),
-    ("sinks", "ptr"),
+    ("sinks", "ptr"), ("cu_seqlens_q", "ptr"),
     ("out_stride_seq", "i64"), ("out_stride_head", "i64"),
     ("lse_stride_head", "i64"), ("lse_stride_seq", "i64"),
     ("num_heads", "i32"), ("max_parts", "i32"), ("partition_size", "i32"),
-    ("max_seq_len", "i32"),
+    ("max_seq_len", "i32"), ("num_seqs", "i32"),
 ])
 
 RESHAPE_PARAMS = ParamsStruct("ReshapeCacheParams", [
@@ -294,6 +294,7 @@ class PagedMmaVariant(Variant):
     softcap: bool = False
     sinks: bool = False   # v1 only (v2's sinks join in the reduce)
     nhd: bool = False     # the NHD cache layout
+    tokens: int = 1       # query tokens per sequence (> 1: multi-token decode, paged_prefill)
 
     op: ClassVar[str] = "paged_mma"
     header: ClassVar[str] = "paged_attention_mma.cuh"
@@ -307,12 +308,13 @@ class PagedMmaVariant(Variant):
         return (self.dtype, f"hd{self.head_size}", f"bs{self.block_size}", f"g{self.group}",
                 f"p{self.partition_size}" if self.partition_size else "v1",
                 f"a{int(self.alibi)}", f"w{self.num_warps}", f"st{self.stages}") + \
-            _hook_names(self) + (("nhd",) if self.nhd else ())
+            _hook_names(self) + (("nhd",) if self.nhd else ()) + \
+            ((f"q{self.tokens}",) if self.tokens > 1 else ())
 
     def traits_args(self):
         return (BY_SHORT[self.dtype].cpp, self.head_size, self.block_size, self.group,
                 self.partition_size, self.alibi, self.num_warps, self.stages, self.softcap,
-                self.sinks, self.nhd)
+                self.sinks, self.nhd, self.tokens)
 
     @property
     def num_threads(self) -> int:
@@ -327,8 +329,13 @@ class PagedMmaVariant(Variant):
 
     @property
     def dynamic_smem_bytes(self) -> int:
-        # each warp's ring: stages x (K tile + V tile), 2-byte elements
-        return self.num_warps * self.stages * 2 * self.TILE * self.head_size * 2
+        # PagedMmaTraits::SMEM_BYTES: each warp's ring, stages x (K tile + V tile), 2-byte
+        # elements, and with more than one n-tile Q^T after them; or, if more, the epilogue's
+        # fp32 merge of every warp's O^T (8 columns an n-tile, rows padded by 4)
+        ring = self.num_warps * self.stages * 2 * self.TILE * self.head_size * 2
+        n_tiles = -(-self.tokens * self.group // 8)
+        q = 8 * -(-n_tiles // 2) * 2 * (self.head_size + 8) * 2 if n_tiles > 1 else 0
+        return max(ring + q, self.num_warps * 8 * n_tiles * (self.head_size + 4) * 4)
 
 
 @dataclass(frozen=True)

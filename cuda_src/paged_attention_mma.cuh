@@ -14,6 +14,11 @@
 // goes from the S^T accumulator to the B operand with movmatrix (an 8x8 transpose in
 // registers). Heads past GROUP are zero columns of Q^T whose outputs are dropped.
 //
+// Multi-token decode (paged_prefill with a few new tokens per sequence: speculative
+// verification): the N columns are the QTOK tokens x GROUP heads of a sequence, column c =
+// (token c / GROUP, head c % GROUP), NT n8 tiles of them, each token with its own causal /
+// window bounds; every K/V byte is still read once for all of them.
+//
 // Each warp runs its own cp.async pipeline (STAGES tiles of TILE tokens, K and V) over the
 // tiles warp, warp + NUM_WARPS, ... of the block's range, with its own online softmax; the
 // warps merge through shared memory at the end. No block-wide barrier in the main loop.
@@ -30,8 +35,10 @@ namespace cuattn {
 // of read bandwidth at v2, bench/NOTES.md paged round 3).
 //   SOFTCAP, ALIBI: the logits hook; SINKS: each head's sink joins v1's denominator (v2:
 //   the reduce's); NHD: the NHD cache layout (params/paged.cuh), any power-of-two block.
+//   QTOK: query tokens per sequence (1: decode; > 1: the rows of p.cu_seqlens_q).
 template <typename T_, int HEAD_SIZE_, int BLOCK_SIZE_, int GROUP_, int PARTITION_SIZE_,
-          bool ALIBI_, int NUM_WARPS_, int STAGES_, bool SOFTCAP_, bool SINKS_, bool NHD_>
+          bool ALIBI_, int NUM_WARPS_, int STAGES_, bool SOFTCAP_, bool SINKS_, bool NHD_,
+          int QTOK_>
 struct PagedMmaTraits {
   using T = T_;
   using Logits = LogitsHook<SOFTCAP_, ALIBI_>;           // the logits hook
@@ -40,30 +47,44 @@ struct PagedMmaTraits {
   static constexpr bool NHD = NHD_;
   static constexpr int HEAD_SIZE = HEAD_SIZE_;
   static constexpr int BLOCK_SIZE = BLOCK_SIZE_;
-  static constexpr int GROUP = GROUP_;                   // query heads: the N columns, <= 8
+  static constexpr int GROUP = GROUP_;                   // query heads per block, <= 8
+  static constexpr int QTOK = QTOK_;
+  static constexpr int COLS = QTOK * GROUP;              // the N columns (token, head)
+  static constexpr int NT = (COLS + 7) / 8;              // n8 tiles of columns
   static constexpr int PARTITION_SIZE = PARTITION_SIZE_; // 0: v1
   static constexpr bool V2 = PARTITION_SIZE > 0;
   static constexpr int NUM_WARPS = NUM_WARPS_;
   static constexpr int STAGES = STAGES_;                 // tiles in each warp's cp.async ring
   static constexpr int TILE = 16;
   static_assert(HEAD_SIZE % 16 == 0, "k16 / m16 steps over the head dims");
-  static_assert(GROUP >= 1 && GROUP <= 8, "one n8 tile of query heads");
+  static_assert(GROUP >= 1 && GROUP <= 8 && QTOK >= 1, "columns");
   static_assert(!V2 || PARTITION_SIZE % TILE == 0, "partitions of whole tiles");
   static_assert(NHD || BLOCK_SIZE % 8 == 0, "a V chunk (8 tokens) never crosses a cache block");
   static_assert((BLOCK_SIZE & (BLOCK_SIZE - 1)) == 0 && BLOCK_SIZE <= 256, "block size");
   static constexpr int MT = TILE / 16;                    // token m-tiles (S^T) = PV k-steps
   static constexpr int KS = HEAD_SIZE / 16;               // QK k-steps = PV dim m-tiles
+  static_assert(NT * KS <= 32, "O^T (NT x KS x 4 floats a lane) fits the registers");
   static constexpr int CHUNKS = HEAD_SIZE * TILE / 8;     // 16-byte chunks of K (and of V) per tile
   static_assert(CHUNKS % 32 == 0, "whole warps of chunks");
   static constexpr int CHUNKS_PER_LANE = CHUNKS / 32;
   static constexpr int VCH = TILE / 8;                    // V chunks per dim row of a tile
   static constexpr int TILE_BYTES = HEAD_SIZE * TILE * 2;            // K (or V) of one tile
   static constexpr int WARP_BYTES = STAGES * 2 * TILE_BYTES;         // a warp's ring
-  static constexpr int SMEM_BYTES = NUM_WARPS * WARP_BYTES;
-  // Epilogue: each warp's O^T, scaled to the block max, [warp][head][dim]; rows padded by 4
-  // floats so that the 4 head pairs of a store land in different banks.
+  // Epilogue: each warp's O^T, scaled to the block max, [warp][column][dim], in the rings'
+  // shared memory; rows padded by 4 floats so that the 4 column pairs of a store land in
+  // different banks.
   static constexpr int MERGE_ROW = HEAD_SIZE + 4;
-  static_assert(NUM_WARPS * 8 * MERGE_ROW * 4 <= SMEM_BYTES, "merge buffer reuses the ring");
+  static constexpr int MERGE_BYTES = NUM_WARPS * 8 * NT * MERGE_ROW * 4;
+  // More than one n-tile: Q^T waits in shared memory after the rings, [column][dim] rows
+  // padded by 16 bytes (ldmatrix's 8 rows in 8 bank groups), n-tiles in pairs (ldmatrix
+  // x4), and is re-read each k-step, so that its registers go to O^T.
+  static constexpr bool Q_SMEM = NT > 1;
+  static constexpr int Q_NT = (NT + 1) / 2 * 2;
+  static constexpr int Q_ROW = HEAD_SIZE + 8;
+  static constexpr int RING_BYTES = NUM_WARPS * WARP_BYTES;
+  static constexpr int Q_BYTES = Q_SMEM ? 8 * Q_NT * Q_ROW * 2 : 0;
+  static constexpr int SMEM_BYTES = RING_BYTES + Q_BYTES > MERGE_BYTES ? RING_BYTES + Q_BYTES
+                                                                       : MERGE_BYTES;
 };
 
 // V tile [dim][VCH chunks of 8 tokens], chunk index XOR-swizzled by dim so that ldmatrix's 8
@@ -82,11 +103,12 @@ __device__ void paged_attention_mma_kernel(const PagedParams& p) {
   using T = typename Tr::T;
   constexpr int HEAD_SIZE = Tr::HEAD_SIZE, BLOCK_SIZE = Tr::BLOCK_SIZE, GROUP = Tr::GROUP;
   constexpr int NUM_WARPS = Tr::NUM_WARPS, STAGES = Tr::STAGES, TILE = Tr::TILE;
+  constexpr int QTOK = Tr::QTOK, COLS = Tr::COLS, NT = Tr::NT;
   constexpr bool V2 = Tr::V2;
   constexpr int MT = Tr::MT, KS = Tr::KS, VCH = Tr::VCH, CPL = Tr::CHUNKS_PER_LANE;
 
   extern __shared__ __align__(16) unsigned char smem[];
-  __shared__ SoftmaxState state_s[NUM_WARPS][8];   // per warp and head: its row state
+  __shared__ SoftmaxState state_s[NUM_WARPS][8 * NT];   // per warp and column: its state
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;   // fragment row / column pair
@@ -94,41 +116,77 @@ __device__ void paged_attention_mma_kernel(const PagedParams& p) {
   const int part = V2 ? blockIdx.z : 0;
   const int head0 = blockIdx.x * GROUP;
   const int kv_head = head0 / p.gqa_ratio;
+  // The sequence's query rows [row0, row0 + q_len) (decode: one, row seq).
+  int row0 = seq, q_len = 1;
+  if constexpr (QTOK > 1) {
+    const int* cu_q = static_cast<const int*>(p.cu_seqlens_q);
+    row0 = cu_q[seq];
+    q_len = min(cu_q[seq + 1] - row0, QTOK);
+    if (q_len <= 0) return;
+  }
 
   const PagedRange range = paged_range<BLOCK_SIZE, Tr::PARTITION_SIZE>(p, seq, part);
   if (V2 && range.start >= range.seq_len) return;   // the reduce never reads this partition
-  // The window's first key; tiles start at a multiple of TILE below it (V chunks are 8
-  // tokens of one block) and the select below masks the keys before it.
-  const int win_start = max(0, range.seq_len - 1 - p.window_left);
-  const int start_tok = max(range.start, win_start / TILE * TILE), end_tok = range.end;
+  const int start_tok_all = range.start, end_tok = range.end;
+  // Column c is query token c / GROUP at position seq_len - q_len + c / GROUP; it sees keys
+  // [pos - window_left, pos + window_right] of the range (decode: right is 0). A column past
+  // the sequence's tokens sees none.
+  auto q_pos = [&](int c) { return range.seq_len - q_len + c / GROUP; };
+  // The window's first key over all columns; tiles start at a multiple of TILE below it (V
+  // chunks are 8 tokens of one block) and the select below masks the keys before each
+  // column's bound.
+  const int win_start = max(0, q_pos(0) - p.window_left);
+  const int start_tok = max(start_tok_all, win_start / TILE * TILE);
   const int num_tiles = (end_tok - start_tok + TILE - 1) / TILE;
   const int my_tiles = num_tiles > warp ? (num_tiles - warp + NUM_WARPS - 1) / NUM_WARPS : 0;
   const int* block_table = static_cast<const int*>(p.block_tables) + seq * p.bt_stride_seq;
 
-  // ---- Q^T as the B operand, once: (dims 16 ks + 2t.., head g), zero columns past GROUP ----
-  u32 qb[KS][2];
-  {
-    // 2-byte loads: q's head stride may be odd
-    const unsigned short* q = static_cast<const unsigned short*>(p.q) + seq * p.q_stride_seq +
-                              (head0 + g) * p.q_stride_head;
+  // ---- Q^T as the B operand: (dims 16 ks + 2t.., column 8 nt + g), zero columns past the
+  // sequence's tokens; in registers once, or (Q_SMEM) in shared memory ----
+  const unsigned short* q_rows = static_cast<const unsigned short*>(p.q);  // 2-byte loads:
+  auto q_at = [&](int c, int d) -> unsigned short {                        // odd head strides
+    const bool valid = c < COLS && c / GROUP < q_len;
+    return valid ? q_rows[(row0 + c / GROUP) * p.q_stride_seq + (head0 + c % GROUP) * p.q_stride_head + d]
+                 : 0;
+  };
+  u32 qb[Tr::Q_SMEM ? 1 : KS][NT][2];
+  const u32 q_smem = smem_addr(smem + Tr::RING_BYTES);
+  if constexpr (Tr::Q_SMEM) {
+    unsigned short* qs = reinterpret_cast<unsigned short*>(smem + Tr::RING_BYTES);
+    for (int i = threadIdx.x; i < 8 * Tr::Q_NT * HEAD_SIZE; i += NUM_WARPS * 32)
+      qs[(i / HEAD_SIZE) * Tr::Q_ROW + i % HEAD_SIZE] = q_at(i / HEAD_SIZE, i % HEAD_SIZE);
+    __syncthreads();
+  } else {
 #pragma unroll
-    for (int ks = 0; ks < KS; ++ks) {
+    for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int d = 16 * ks + 8 * half + 2 * t;
-        qb[ks][half] = g < GROUP ? u32(q[d]) | (u32(q[d + 1]) << 16) : 0u;
+      for (int ks = 0; ks < KS; ++ks)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int c = 8 * nt + g, d = 16 * ks + 8 * half + 2 * t;
+          qb[ks][nt][half] = u32(q_at(c, d)) | (u32(q_at(c, d + 1)) << 16);
+        }
+  }
+  // This lane's columns 8 nt + 2t + j: the key bounds [lo, hi] (hi = -1: no key), and the
+  // logits hooks (ALiBi slopes in log2 units).
+  using Logits = typename Tr::Logits;
+  int lo[NT][2], hi[NT][2];
+  Logits hook[NT][2];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int c = 8 * nt + 2 * t + j;
+      const bool valid = c < COLS && c / GROUP < q_len;
+      lo[nt][j] = q_pos(c) - p.window_left;
+      hi[nt][j] = valid ? min(end_tok - 1, q_pos(c) + p.window_right) : -1;
+      hook[nt][j] = Logits(0.f, p.softcap_in, p.softcap_out);
+      if constexpr (Tr::ALIBI) {
+        if (valid)
+          hook[nt][j].slope =
+              static_cast<const float*>(p.alibi_slopes)[head0 + c % GROUP] * kLog2e;
       }
     }
-  }
-  // The logits hooks of this lane's two head columns (2t, 2t+1); ALiBi slopes in log2 units.
-  using Logits = typename Tr::Logits;
-  Logits hook[2] = {Logits(0.f, p.softcap_in, p.softcap_out),
-                     Logits(0.f, p.softcap_in, p.softcap_out)};
-  if constexpr (Tr::ALIBI) {
-#pragma unroll
-    for (int j = 0; j < 2; ++j)
-      if (2 * t + j < GROUP)
-        hook[j].slope = static_cast<const float*>(p.alibi_slopes)[head0 + 2 * t + j] * kLog2e;
   }
 
   // ---- the warp's cp.async ring: tile n of this warp lands in stage n % STAGES ------------
@@ -196,12 +254,16 @@ __device__ void paged_attention_mma_kernel(const PagedParams& p) {
   };
 
   // ---- main loop: per tile S^T = K Q^T, online softmax, O^T += V^T P^T ------------------
-  float o[KS][4];   // O^T: (dim 16 m + g, heads 2t..) and (dim 16 m + g + 8, heads 2t..)
+  float o[KS][NT][4];   // O^T: (dim 16 m + g, columns 8 nt + 2t..) and (dim 16 m + g + 8, ..)
 #pragma unroll
-  for (int m = 0; m < KS; ++m) o[m][0] = o[m][1] = o[m][2] = o[m][3] = 0.f;
-  // Per head column (log2 units, scale 1): max the same on all 8 lanes of a column, sum
-  // this lane's rows only (added over the column at the end).
-  SoftmaxState row[2] = {SoftmaxState::empty(), SoftmaxState::empty()};
+  for (int m = 0; m < KS; ++m)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) o[m][nt][0] = o[m][nt][1] = o[m][nt][2] = o[m][nt][3] = 0.f;
+  // Per column (log2 units, scale 1): max the same on all 8 lanes of a column, sum this
+  // lane's rows only (added over the column at the end).
+  SoftmaxState row[NT][2];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) row[nt][0] = row[nt][1] = SoftmaxState::empty();
 
 #pragma unroll
   for (int n = 0; n < STAGES - 1; ++n) issue(n);
@@ -216,68 +278,96 @@ __device__ void paged_attention_mma_kernel(const PagedParams& p) {
 
     // S^T for MT token m-tiles. ldmatrix x4: matrix q = lane / 8 is (tokens +8 (q & 1),
     // dim chunk +(q >> 1)), row lane % 8: the A fragment of m16n8k16.
-    float s[MT][4];
+    float s[MT][NT][4];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
-      s[mt][0] = s[mt][1] = s[mt][2] = s[mt][3] = 0.f;
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) s[mt][nt][0] = s[mt][nt][1] = s[mt][nt][2] = s[mt][nt][3] = 0.f;
       const int tok = 16 * mt + (lane % 8) + 8 * ((lane / 8) & 1);
 #pragma unroll
       for (int ks = 0; ks < KS; ++ks) {
         u32 a[4];
         ldmatrix_x4(a, k_tile + ((2 * ks + lane / 16) * TILE + tok) * 16);
-        mma_m16n8k16<T>(s[mt], a, qb[ks][0], qb[ks][1]);
+        if constexpr (Tr::Q_SMEM) {
+          // ldmatrix x4: matrix q is (n-tile 2 np + (q >> 1), dims +8 (q & 1)), row lane % 8
+#pragma unroll
+          for (int np = 0; np < Tr::Q_NT / 2; ++np) {
+            u32 b[4];
+            ldmatrix_x4(b, q_smem + ((16 * np + 8 * (lane / 16) + lane % 8) * Tr::Q_ROW +
+                                     16 * ks + 8 * ((lane / 8) & 1)) * 2);
+            mma_m16n8k16<T>(s[mt][2 * np], a, b[0], b[1]);
+            if (2 * np + 1 < NT) mma_m16n8k16<T>(s[mt][2 * np + 1], a, b[2], b[3]);
+          }
+        } else {
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) mma_m16n8k16<T>(s[mt][nt], a, qb[ks][nt][0], qb[ks][nt][1]);
+        }
       }
     }
-    // Scale to log2 units, the logits hook, mask the tokens past the range; the tile max.
-    float tile_max[2] = {neg_inf(), neg_inf()};
+    // Scale to log2 units, the logits hook, each column's key bounds (which also keep a
+    // zero-filled K row out); the tile max.
+    float tile_max[NT][2];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) tile_max[nt][0] = tile_max[nt][1] = neg_inf();
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const int tok = t0 + 16 * mt + g + 8 * (r / 2);
-        float x = s[mt][r] * p.scale_log2;
-        if (Logits::ACTIVE) x = hook[r % 2](x, range.seq_len - 1, tok);
-        // a select: a zero-filled K row, and keys before the window, stay out
-        x = tok < end_tok && tok >= win_start ? x : neg_inf();
-        s[mt][r] = x;
-        tile_max[r % 2] = fmaxf(tile_max[r % 2], x);
+      for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const int tok = t0 + 16 * mt + g + 8 * (r / 2), j = r % 2;
+          float x = s[mt][nt][r] * p.scale_log2;
+          if (Logits::ACTIVE) x = hook[nt][j](x, q_pos(8 * nt + 2 * t + j), tok);
+          x = tok >= lo[nt][j] && tok <= hi[nt][j] ? x : neg_inf();
+          s[mt][nt][r] = x;
+          tile_max[nt][j] = fmaxf(tile_max[nt][j], x);
+        }
       }
     }
-    float alpha[2], base[2];
+    float alpha[NT][2], base[NT][2];
 #pragma unroll
-    for (int j = 0; j < 2; ++j) {
+    for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
-      for (int off = 4; off < 32; off *= 2)
-        tile_max[j] = fmaxf(tile_max[j], __shfl_xor_sync(0xffffffffu, tile_max[j], off));
-      const float new_max = fmaxf(row[j].max, tile_max[j]);
-      base[j] = SoftmaxState::base(new_max, 1.f);
-      alpha[j] = row[j].rescale(new_max, 1.f, base[j]);
+      for (int j = 0; j < 2; ++j) {
+#pragma unroll
+        for (int off = 4; off < 32; off *= 2)
+          tile_max[nt][j] = fmaxf(tile_max[nt][j], __shfl_xor_sync(0xffffffffu, tile_max[nt][j], off));
+        const float new_max = fmaxf(row[nt][j].max, tile_max[nt][j]);
+        base[nt][j] = SoftmaxState::base(new_max, 1.f);
+        alpha[nt][j] = row[nt][j].rescale(new_max, 1.f, base[nt][j]);
+      }
     }
 #pragma unroll
     for (int m = 0; m < KS; ++m) {
-      o[m][0] *= alpha[0]; o[m][1] *= alpha[1];
-      o[m][2] *= alpha[0]; o[m][3] *= alpha[1];
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        o[m][nt][0] *= alpha[nt][0]; o[m][nt][1] *= alpha[nt][1];
+        o[m][nt][2] *= alpha[nt][0]; o[m][nt][3] *= alpha[nt][1];
+      }
     }
     // P = exp2(S - max), packed to T and transposed into the B operand of P V, as P = hi +
     // lo, two T each, so that P V keeps ~16 mantissa bits (a bf16 P alone is off by up to
     // 2^-9 relative, visible when a few tokens dominate); the tensor cores are far from busy
     // here, so the second MMA is free while HBM sets the pace.
     constexpr int NP = 2;
-    u32 pb[MT][NP][2];
+    u32 pb[MT][NT][NP][2];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        s[mt][r] = SoftmaxState::weight(s[mt][r], 1.f, base[r % 2]);
-        row[r % 2].sum += s[mt][r];
-      }
+      for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {   // tokens 0-7, 8-15 of the m-tile
-        const u32 hi = pack_pair<T>(s[mt][2 * half], s[mt][2 * half + 1]);
-        const float2 h = unpack_pair<T>(hi);
-        pb[mt][0][half] = movmatrix_trans(hi);
-        pb[mt][1][half] = movmatrix_trans(
-            pack_pair<T>(s[mt][2 * half] - h.x, s[mt][2 * half + 1] - h.y));
+        for (int r = 0; r < 4; ++r) {
+          s[mt][nt][r] = SoftmaxState::weight(s[mt][nt][r], 1.f, base[nt][r % 2]);
+          row[nt][r % 2].sum += s[mt][nt][r];
+        }
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {   // tokens 0-7, 8-15 of the m-tile
+          const float* x = &s[mt][nt][2 * half];
+          const u32 h = pack_pair<T>(x[0], x[1]);
+          const float2 hf = unpack_pair<T>(h);
+          pb[mt][nt][0][half] = movmatrix_trans(h);
+          pb[mt][nt][1][half] = movmatrix_trans(pack_pair<T>(x[0] - hf.x, x[1] - hf.y));
+        }
       }
     }
     // O^T += V^T P^T. ldmatrix x4: matrix q is (dims +8 (q & 1), token chunk +(q >> 1)).
@@ -296,7 +386,10 @@ __device__ void paged_attention_mma_kernel(const PagedParams& p) {
           ldmatrix_x4(a, v_tile + v_chunk_offset<VCH>(16 * m + v_dim, 2 * mt + lane / 16));
         }
 #pragma unroll
-        for (int k = 0; k < NP; ++k) mma_m16n8k16<T>(o[m], a, pb[mt][k][0], pb[mt][k][1]);
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+          for (int k = 0; k < NP; ++k)
+            mma_m16n8k16<T>(o[m][nt], a, pb[mt][nt][k][0], pb[mt][nt][k][1]);
       }
     }
   }
@@ -306,50 +399,58 @@ __device__ void paged_attention_mma_kernel(const PagedParams& p) {
   // warp's weight against it (SoftmaxState::weight, 0 for a warp that saw nothing).
   cp_async_wait<0>();
 #pragma unroll
-  for (int j = 0; j < 2; ++j)
+  for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-    for (int off = 4; off < 32; off *= 2) row[j].sum += __shfl_xor_sync(0xffffffffu, row[j].sum, off);
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int off = 4; off < 32; off *= 2)
+        row[nt][j].sum += __shfl_xor_sync(0xffffffffu, row[nt][j].sum, off);
   __syncthreads();   // every warp is done with its ring
   if (g == 0) {
 #pragma unroll
-    for (int j = 0; j < 2; ++j) state_s[warp][2 * t + j] = row[j];
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int j = 0; j < 2; ++j) state_s[warp][8 * nt + 2 * t + j] = row[nt][j];
   }
   __syncthreads();
-  auto block_max = [&](int h) {
-    float m = state_s[0][h].max;
+  auto block_max = [&](int c) {
+    float m = state_s[0][c].max;
 #pragma unroll
-    for (int w = 1; w < NUM_WARPS; ++w) m = fmaxf(m, state_s[w][h].max);
+    for (int w = 1; w < NUM_WARPS; ++w) m = fmaxf(m, state_s[w][c].max);
     return m;
   };
-  float* merge = reinterpret_cast<float*>(smem);   // [NUM_WARPS][8][MERGE_ROW]
+  float* merge = reinterpret_cast<float*>(smem);   // [NUM_WARPS][8 NT][MERGE_ROW]
 #pragma unroll
-  for (int j = 0; j < 2; ++j) {
-    const int h = 2 * t + j;
-    const float f = SoftmaxState::weight(row[j].max, 1.f, SoftmaxState::base(block_max(h), 1.f));
-    float* out_row = merge + (warp * 8 + h) * Tr::MERGE_ROW;
+  for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
-    for (int m = 0; m < KS; ++m) {
-      out_row[16 * m + g] = o[m][j] * f;
-      out_row[16 * m + g + 8] = o[m][2 + j] * f;
+    for (int j = 0; j < 2; ++j) {
+      const int c = 8 * nt + 2 * t + j;
+      const float f = SoftmaxState::weight(row[nt][j].max, 1.f, SoftmaxState::base(block_max(c), 1.f));
+      float* out_row = merge + (warp * 8 * NT + c) * Tr::MERGE_ROW;
+#pragma unroll
+      for (int m = 0; m < KS; ++m) {
+        out_row[16 * m + g] = o[m][nt][j] * f;
+        out_row[16 * m + g + 8] = o[m][nt][2 + j] * f;
+      }
     }
   }
   __syncthreads();
 
   // ---- write: v1 the output and lse, v2 the normalised partial output and its lse ---------
-  const PagedOutput<T, HEAD_SIZE, V2> output{p, seq, head0, part};
-  for (int i = threadIdx.x; i < GROUP * HEAD_SIZE; i += NUM_WARPS * 32) {
-    const int h = i / HEAD_SIZE, d = i % HEAD_SIZE;
-    SoftmaxState block{block_max(h), 0.f};
+  for (int i = threadIdx.x; i < q_len * GROUP * HEAD_SIZE; i += NUM_WARPS * 32) {
+    const int c = i / HEAD_SIZE, d = i % HEAD_SIZE, h = c % GROUP;
+    SoftmaxState block{block_max(c), 0.f};
     const float b = SoftmaxState::base(block.max, 1.f);
     float acc = 0.f;
 #pragma unroll
     for (int w = 0; w < NUM_WARPS; ++w) {
-      block.sum = fmaf(state_s[w][h].sum, SoftmaxState::weight(state_s[w][h].max, 1.f, b), block.sum);
-      acc += merge[(w * 8 + h) * Tr::MERGE_ROW + d];
+      block.sum = fmaf(state_s[w][c].sum, SoftmaxState::weight(state_s[w][c].max, 1.f, b), block.sum);
+      acc += merge[(w * 8 * NT + c) * Tr::MERGE_ROW + d];
     }
     if constexpr (Tr::SINKS && !V2) {   // (v2: in the reduce)
       acc *= block.add_sink(static_cast<const float*>(p.sinks)[head0 + h] * kLog2e, 1.f);
     }
+    const PagedOutput<T, HEAD_SIZE, V2> output{p, row0 + c / GROUP, head0, part};
     output.store(h, d, acc * block.inv_sum());   // an empty sequence (v1) gives zeros
     if (d == 0) output.store_lse(h, block.lse(1.f));
   }

@@ -26,11 +26,13 @@ __device__ __forceinline__ PagedRange paged_range(const PagedParams& p, int seq,
 }
 
 // The epilogue: v1 writes out (T) and lse; v2 writes the normalised fp32 partial output
-// and its lse into tmp_out / tmp_lse, row (seq, head), slot part, for the reduce kernel.
+// and its lse into tmp_out / tmp_lse, row (query row, head), slot part, for the reduce
+// kernel. The query row is the sequence in decode, cu_seqlens_q[seq] + token in
+// multi-token decode.
 template <typename T, int HEAD_SIZE, bool V2>
 struct PagedOutput {
   const PagedParams& p;
-  int seq, head0, part;
+  int seq, head0, part;   // seq: the query row
 
   __device__ __forceinline__ void store(int h, int d, float value) const {
     if (V2) {

@@ -22,7 +22,21 @@ struct PagedReduceTraits {
   static_assert(GROUPS >= 1 && NUM_THREADS % DIM_THREADS == 0, "whole thread groups");
 };
 
-// Grid: (num_heads, num_seqs), block: (NUM_THREADS).
+// The sequence of query row r: r itself, or (multi-token) the s with cu_seqlens_q[s] <= r <
+// cu_seqlens_q[s + 1], by bisection; -1 for a row no sequence covers.
+__device__ __forceinline__ int query_seq(const PagedReduceParams& p, int r) {
+  const int* cu = static_cast<const int*>(p.cu_seqlens_q);
+  if (cu == nullptr) return r;
+  if (r < cu[0] || r >= cu[p.num_seqs]) return -1;
+  int lo = 0, hi = p.num_seqs;   // cu[lo] <= r < cu[hi]
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) / 2;
+    if (cu[mid] <= r) lo = mid; else hi = mid;
+  }
+  return lo;
+}
+
+// Grid: (num_heads, rows), block: (NUM_THREADS); rows: num_seqs, or total_q (multi-token).
 // out = sum e^(lse_i - m) o_i / sum e^(lse_i - m), lse = m + log(sum e^(lse_i - m)); one
 // partition comes through unchanged (weight e^0 = 1), none (an empty sequence) gives zeros
 // and lse = -inf.
@@ -40,14 +54,15 @@ __device__ void paged_attention_reduce_kernel(const PagedReduceParams& p) {
   __shared__ float4 acc_s[GROUPS][DIM_THREADS];
   __shared__ SoftmaxState state_s[GROUPS];
 
-  const int head = blockIdx.x, seq = blockIdx.y;
+  const int head = blockIdx.x, qrow = blockIdx.y, seq = query_seq(p, qrow);
+  if (seq < 0) return;   // a row past cu_seqlens_q[num_seqs]: no sequence's
   const int tid = threadIdx.x, group = tid / DIM_THREADS, dt = tid % DIM_THREADS;
   const int d = dt * 4;
   const bool has_dims = d < HEAD_SIZE;
   int seq_len = static_cast<const int*>(p.seq_lens)[seq];
   seq_len = min(max(seq_len, 0), p.max_seq_len);
   const int num_parts = (seq_len + p.partition_size - 1) / p.partition_size;
-  const long long row = (long long)seq * p.num_heads + head;
+  const long long row = (long long)qrow * p.num_heads + head;
   const float* lse_row = static_cast<const float*>(p.tmp_lse) + row * p.max_parts;
   // Threads past the head's dims (HEAD_SIZE % 128 != 0) load a valid column and drop it.
   const float* out_row = static_cast<const float*>(p.tmp_out) + row * p.max_parts * HEAD_SIZE +
@@ -113,12 +128,12 @@ __device__ void paged_attention_reduce_kernel(const PagedReduceParams& p) {
   }
   const float inv = st.inv_sum();
   if (has_dims) {
-    T* o = static_cast<T*>(p.out) + seq * p.out_stride_seq + head * p.out_stride_head + d;
+    T* o = static_cast<T*>(p.out) + qrow * p.out_stride_seq + head * p.out_stride_head + d;
     o[0] = from_float<T>(acc.x * inv); o[1] = from_float<T>(acc.y * inv);
     o[2] = from_float<T>(acc.z * inv); o[3] = from_float<T>(acc.w * inv);
   }
   if (tid == 0 && p.lse != nullptr) {
-    static_cast<float*>(p.lse)[head * p.lse_stride_head + seq * p.lse_stride_seq] = st.lse(kLog2e);
+    static_cast<float*>(p.lse)[head * p.lse_stride_head + qrow * p.lse_stride_seq] = st.lse(kLog2e);
   }
 }
 

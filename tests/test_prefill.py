@@ -67,6 +67,49 @@ def test_prefill_tile_rule():
     assert wide.block_n >= 32   # vLLM's V tile: rows of >= 4 chunks
 
 
+def _few_token_forms():
+    """Multi-token decode (paged_prefill's few-token form) at every head size, over GQA
+    ratios whose groups are odd, even and cut down to fit the tokens: v1 and v2, both
+    layouts, plain and every hook."""
+    out = []
+    for hs in (64, 80, 96, 128, 192, 256):
+        for gqa in (4, 6):
+            for max_q in (2, 8, 16):
+                tokens, group = tuning.paged_multi_token(hs, gqa, max_q)
+                for ps in (0, 512):
+                    for nhd in (False, True):
+                        for hooks in (False, True):
+                            out.append(tuning.paged_mma_variant(
+                                "bf16", hs, 16, group, ps, hooks, softcap=hooks, sinks=hooks,
+                                nhd=nhd, tokens=tokens))
+    return list(dict.fromkeys(out))
+
+
+def test_few_token_forms_compile_for_sm90_without_spills():
+    assert unclean(compile_reports(_few_token_forms(), "sm_90")) == []
+
+
+def test_few_token_rule():
+    assert tuning.paged_multi_token(128, 4, 1) == (1, 4)      # plain decode
+    assert tuning.paged_multi_token(128, 4, 4) == (4, 4)      # 16 columns
+    assert tuning.paged_multi_token(128, 4, 16) == (16, 2)    # 32 columns: half the group
+    assert tuning.paged_multi_token(128, 8, 3) == (4, 8)
+    assert tuning.paged_multi_token(256, 8, 8) == (8, 2)      # hd256: 16 columns
+    assert tuning.paged_multi_token(96, 6, 4) == (4, 6)       # 24 columns: 3 n-tiles
+    form = tuning.paged_prefill_form
+    assert form("bf16", 128, 16, 1000) == "decode"
+    assert form("bf16", 128, 17, 1000) == "flash"             # a chunk
+    assert form("bf16", 128, 0, 0) == "flash"
+    assert form("bf16", 120, 4, 1000) == "flash"              # not a multiple of 16
+    assert form("e4m3", 128, 4, 1000) == "flash"
+    assert form("bf16", 128, 4, 70000) == "flash"             # the reduce's grid rows
+    with tuning.override(prefill_form="flash"):
+        assert form("bf16", 128, 4, 1000) == "flash"
+    with tuning.override(prefill_form="decode"):
+        assert form("bf16", 128, 700, 1000) == "decode"
+        assert form("bf16", 120, 4, 1000) == "flash"          # where it can run only
+
+
 def test_nhd_cache_shapes():
     k, v = cuattn.paged_kv_cache_shapes(10, 4, 128, 1, BF16, kv_layout="nhd")
     assert k == v == (10, 1, 4, 128)
@@ -409,6 +452,74 @@ def test_flash_varlen_hooks_with_empty_sequences(rng):
                                 **_ref_kw(kw)) for i in range(len(lens_q))]
     check(out, lse, np.concatenate([r[0] for r in refs]),
           np.concatenate([r[1] for r in refs], axis=1), "f16")
+
+
+# -- GPU: paged_prefill's few-token form (multi-token decode) -----------------------------------
+
+FEW_Q = [1, 16, 0, 3, 8, 2, 5]        # up to 16 new tokens (tuning.PREFILL_DECODE_MAX_TOKENS)
+FEW_CTX = [1, 3000, 9, 16, 1030, 2, 777]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout,block_size", [("vllm", 8), ("vllm", 16), ("vllm", 32),
+                                               ("nhd", 1), ("nhd", 16), ("nhd", 256)])
+@pytest.mark.parametrize("num_splits", [0, 1, 5])
+def test_few_token_form_layouts_and_splits(rng, layout, block_size, num_splits):
+    """num_splits 1: v1; 5: v2 partitions (here 1024 tokens; the longest sequence has 3);
+    0: the decode rule. Rows past cu_seqlens_q[-1] are left alone."""
+    b = make_batch(rng, contexts=FEW_CTX, q_lens=FEW_Q, nkv=2, group=4, head_size=128,
+                   block_size=block_size, dtype="bf16", layout=layout)
+    assert tuning.paged_prefill_form("bf16", 128, b["max_seqlen_q"], 1) == "decode"
+    real = b["q"].shape[0]
+    b["q"] = np.concatenate([b["q"], b["q"][:3]])          # 3 rows no sequence covers
+    out, lse = run_prefill(b, kv_layout=layout, num_splits=num_splits)
+    assert bool(np.isnan(out[real:].get().astype(np.float32)).all())
+    ref = batch_reference(b, 1 / math.sqrt(128), causal=True)
+    check(out[:real], lse[:, :real], *ref, "bf16")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("which", ["", "softcap", "alibi", "sinks", "softcap+alibi+sinks"])
+@pytest.mark.parametrize("causal,window", [(True, (-1, -1)), (False, (-1, -1)),
+                                           (True, (5, 0)), (False, (6, 3))])
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_few_token_form_hooks_and_windows(rng, which, causal, window, num_splits):
+    b = make_batch(rng, contexts=[900, 20, 2400, 7], q_lens=[2, 7, 16, 7], nkv=2, group=4,
+                   head_size=128, block_size=16, dtype="bf16", layout="vllm")
+    kw = hook_values(rng, 8, which)
+    scale = 0.3
+    out, lse = run_prefill(b, causal=causal, window_size=window, softmax_scale=scale,
+                           num_splits=num_splits, **kw)
+    check(out, lse, *batch_reference(b, scale, causal=causal, window=window, **_ref_kw(kw)),
+          "bf16")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_size,nkv,group,dtype", [(64, 1, 8, "f16"), (96, 2, 6, "bf16"),
+                                                       (128, 1, 16, "bf16"), (192, 3, 1, "f16"),
+                                                       (256, 2, 8, "bf16")])
+@pytest.mark.parametrize("layout", ["vllm", "nhd"])
+def test_few_token_form_head_sizes_and_groups(rng, head_size, nkv, group, dtype, layout):
+    b = make_batch(rng, contexts=[500, 33, 129, 4], q_lens=[3, 1, 8, 4], nkv=nkv, group=group,
+                   head_size=head_size, block_size=16, dtype=dtype, layout=layout)
+    out, lse = run_prefill(b, kv_layout=layout)
+    check(out, lse, *batch_reference(b, 1 / math.sqrt(head_size), causal=True), dtype)
+
+
+@pytest.mark.gpu
+def test_few_token_form_agrees_with_the_flash_form(rng):
+    """The same call on both kernels (tuning.override(prefill_form=...)), each against the
+    reference, and near each other."""
+    b = make_batch(rng, contexts=FEW_CTX, q_lens=FEW_Q, nkv=2, group=4, head_size=128,
+                   block_size=16, dtype="bf16", layout="nhd")
+    ref = batch_reference(b, 1 / math.sqrt(128), causal=True)
+    results = []
+    for form in ("decode", "flash"):
+        with tuning.override(prefill_form=form):
+            out, lse = run_prefill(b, kv_layout="nhd")
+        check(out, lse, *ref, "bf16")
+        results.append(out.get().astype(np.float32))
+    assert np.abs(results[0] - results[1]).max() < 0.02
 
 
 # -- GPU: paged_attention (decode) with the hooks, windows and the NHD layout -------------------

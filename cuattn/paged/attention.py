@@ -8,6 +8,8 @@ values inside the arrays (seq_lens, block_tables) are never read on the host.
 """
 from __future__ import annotations
 
+import functools
+
 import cupy
 import numpy as np
 
@@ -159,43 +161,62 @@ def _plan(arrays, softmax_scale, k_scale, v_scale, softcap, window_size, kv_layo
             q_stride_seq=qs[0], q_stride_head=qs[1], **info.strides(k_cache, v_cache),
             bt_stride_seq=block_tables.strides[0] // 4,
             scale_log2=softmax_scale * k_scale * A.LOG2E, v_scale=v_scale,
-            **hook_fields(softcap, 1 / A.LOG2E), window_left=window_left,
-            num_seqs=num_seqs, num_heads=num_heads, gqa_ratio=gqa, max_blocks_per_seq=max_blocks)
-        inputs = tuple(slots.arg(i) for i in range(7))
-        grid_x = num_heads // group
+            **hook_fields(softcap, 1 / A.LOG2E), window_left=window_left, window_right=0,
+            num_seqs=num_seqs, num_heads=num_heads, gqa_ratio=gqa, max_blocks_per_seq=max_blocks,
+            out_stride_seq=o_seq, out_stride_head=o_head, lse_stride_head=l_head,
+            lse_stride_seq=l_seq)
+        inputs = tuple(slots.arg(i) for i in range(7)) + (NULL,)
+        key_for = functools.partial(form.variant, dtype.short, info.cache, head_size,
+                                    info.block_size, group, alibi=alibi, **hooks)
+        return Plan(**common, **decode_launches(
+            form, key_for, version, partition_size, v1, grid=(num_heads // group, num_seqs),
+            rows=num_seqs, max_context=max_context, sinks=hooks["sinks"],
+            slots=(out_slot, lse_slot, slots.scratch(0), slots.scratch(1)) + inputs,
+            fields=fields, device_id=device_id))
 
-        if version == "v1":
-            kernel, smem, logits_stride = v1
-            tail = PAGED_PARAMS.tail(out_stride_seq=o_seq, out_stride_head=o_head,
-                                     lse_stride_head=l_head, lse_stride_seq=l_seq, max_parts=1,
-                                     logits_stride=logits_stride, **fields)
-            launch = Launch(kernel, (grid_x, num_seqs, 1), (v1_key.num_threads,), smem,
-                            PAGED_PARAMS.dtype, (out_slot, lse_slot, NULL, NULL) + inputs, tail)
-            return Plan(**common, launches=(launch,))
 
-        key = form.variant(dtype.short, info.cache, head_size, info.block_size, group,
-                           partition_size, alibi, **hooks)
-        rkey = tuning.paged_reduce_variant(dtype.short, head_size, sinks=hooks["sinks"])
-        max_parts = max(1, -(-max_context // partition_size))
-        tmp_out_bytes = num_seqs * num_heads * max_parts * head_size * 4   # a multiple of 16
-        tmp_lse_bytes = num_seqs * num_heads * max_parts * 4
-        tmp_out, tmp_lse = slots.scratch(0), slots.scratch(1)
-        tail = PAGED_PARAMS.tail(out_stride_seq=0, out_stride_head=0, lse_stride_head=0,
-                                 lse_stride_seq=0, max_parts=max_parts,
-                                 logits_stride=form.logits_stride(key), **fields)
-        rtail = PAGED_REDUCE_PARAMS.tail(out_stride_seq=o_seq, out_stride_head=o_head,
-                                         lse_stride_head=l_head, lse_stride_seq=l_seq,
-                                         num_heads=num_heads, max_parts=max_parts,
-                                         partition_size=partition_size, max_seq_len=max_context)
-        launches = []
-        if max_context > 0:     # else every sequence is empty: the reduce writes zeros alone
-            launches.append(Launch(get_kernel(key, device_id), (grid_x, num_seqs, max_parts),
-                                   (key.num_threads,), key.dynamic_smem_bytes,
-                                   PAGED_PARAMS.dtype, (NULL, NULL, tmp_out, tmp_lse) + inputs,
-                                   tail))
-        launches.append(Launch(get_kernel(rkey, device_id), (num_heads, num_seqs),
-                               (rkey.num_threads,), 0, PAGED_REDUCE_PARAMS.dtype,
-                               (out_slot, lse_slot, tmp_out, tmp_lse, slots.arg(4), slots.arg(6)),
-                               rtail))
-    return Plan(**common, scratch=(0, tmp_out_bytes), scratch_bytes=tmp_out_bytes + tmp_lse_bytes,
+def decode_launches(form, key_for, version: str, partition_size: int, v1, *, grid: tuple,
+                    rows: int, max_context: int, sinks: bool, slots: tuple, fields: dict,
+                    device_id: int) -> dict:
+    """The launches of a checked decode call (paged_attention, and paged_prefill's few-token
+    form) as Plan fields: v1 alone, or v2's main kernel and its reduce over scratch.
+
+    key_for(partition_size): the main kernel's variant. v1: form.v1_launch's (kernel, shared
+    memory, logits_stride) when version is "v1". grid: (head groups, sequences); rows: the
+    query rows (sequences, or total_q for multi-token decode). slots: the pointer slots of
+    out, lse, tmp_out, tmp_lse, q, k_cache, v_cache, block_tables, seq_lens, alibi_slopes,
+    sinks, cu_seqlens_q. fields: every other PagedParams field but max_parts and
+    logits_stride (the out / lse strides those of the final output).
+    """
+    out, lse, tmp_out, tmp_lse, *inputs = slots
+    inputs = tuple(inputs)
+    if version == "v1":
+        kernel, smem, logits_stride = v1
+        tail = PAGED_PARAMS.tail(max_parts=1, logits_stride=logits_stride, **fields)
+        return dict(launches=(Launch(kernel, grid + (1,), (key_for(0).num_threads,), smem,
+                                     PAGED_PARAMS.dtype, (out, lse, NULL, NULL) + inputs,
+                                     tail),))
+    key = key_for(partition_size)
+    head_size, num_heads = key.head_size, fields["num_heads"]
+    rkey = tuning.paged_reduce_variant(key.dtype, head_size, sinks=sinks)
+    max_parts = max(1, -(-max_context // partition_size))
+    tmp_out_bytes = rows * num_heads * max_parts * head_size * 4   # a multiple of 16
+    tmp_lse_bytes = rows * num_heads * max_parts * 4
+    final = {n: fields[n] for n in ("out_stride_seq", "out_stride_head", "lse_stride_head",
+                                    "lse_stride_seq")}
+    tail = PAGED_PARAMS.tail(max_parts=max_parts, logits_stride=form.logits_stride(key),
+                             **{**fields, **dict.fromkeys(final, 0)})
+    rtail = PAGED_REDUCE_PARAMS.tail(**final, num_heads=num_heads, max_parts=max_parts,
+                                     partition_size=partition_size, max_seq_len=max_context,
+                                     num_seqs=fields["num_seqs"])
+    launches = []
+    if max_context > 0:     # else every sequence is empty: the reduce writes zeros alone
+        launches.append(Launch(get_kernel(key, device_id), grid + (max_parts,),
+                               (key.num_threads,), key.dynamic_smem_bytes, PAGED_PARAMS.dtype,
+                               (NULL, NULL, tmp_out, tmp_lse) + inputs, tail))
+    seq_lens, sinks_slot, cu_q = inputs[4], inputs[6], inputs[7]
+    launches.append(Launch(get_kernel(rkey, device_id), (num_heads, rows), (rkey.num_threads,),
+                           0, PAGED_REDUCE_PARAMS.dtype,
+                           (out, lse, tmp_out, tmp_lse, seq_lens, sinks_slot, cu_q), rtail))
+    return dict(scratch=(0, tmp_out_bytes), scratch_bytes=tmp_out_bytes + tmp_lse_bytes,
                 launches=tuple(launches))

@@ -1,26 +1,33 @@
 """paged_prefill: attention of new tokens against a paged KV cache (chunked prefill, prefix
 caching, speculative verification) in one call.
 
-The kernel is the flash forward (cuda_src/flash_fwd.cuh) with its paged K/V source and the
-query heads of one KV head packed into a block's rows, so that each K/V byte leaves memory
-once for the whole group, whatever the number of new tokens (cuattn.tuning.paged_prefill_*
-picks the tiles: few rows for speculative verification, the flash tiles for long chunks).
+Two kernels (cuattn.tuning.paged_prefill_form picks one), each reading every K/V byte once
+for all the query heads of its KV head and all the new tokens of its sequence:
+- a few new tokens per sequence (speculative verification): multi-token decode, the
+  tensor-core decode kernel (cuda_src/paged_attention_mma.cuh) with the tokens x heads of
+  a sequence as the MMA's columns, through paged_attention's v1 / v2 launches;
+- otherwise the flash forward (cuda_src/flash_fwd.cuh) with its paged K/V source and the
+  query heads of one KV head packed into a block's rows (cuattn.tuning.paged_prefill_tiles
+  picks the tiles).
 Calls go through cuattn._launch: the checks below run once per call signature; values
 inside the arrays (seq_lens, block_tables, cu_seqlens_q) are never read on the host.
 """
 from __future__ import annotations
 
+import cupy
 import numpy as np
 
 from .. import _arrays as A
 from .. import tuning
 from .._dtypes import activation_dtype
-from .._hooks import check_hooks
-from .._launch import Plan, execute, plan_cache, plan_for
-from ..flash import Call, _check_cu_seqlens, _check_options
+from .._hooks import check_hooks, hook_fields
+from .._launch import NULL, Plan, execute, plan_cache, plan_for, returns
+from ..flash import _MAX_GRID_YZ, Call, _check_cu_seqlens, _check_options
 from ..flash import _plan as flash_plan
 from ..jit import device_info
-from ..variants import KV_PAGED_NHD, KV_PAGED_VLLM
+from ..variants import FEAT_ALIBI, FEAT_SINKS, FEAT_SOFTCAP, KV_PAGED_NHD, KV_PAGED_VLLM
+from .attention import _UNBOUNDED, decode_launches
+from .forms import FORMS
 from .layout import HEAD_SIZES, check_caches, check_layout, check_scale, check_tables
 
 _plans = plan_cache()
@@ -122,6 +129,11 @@ def _plan(arrays, max_seqlen_q, causal, softmax_scale, window_size, softcap, k_s
         bt_stride_seq=block_tables.strides[0] // 4, block_shift=info.block_size.bit_length() - 1,
         max_blocks_per_seq=max_blocks, seqlen_q=max(total_q, 1), seqlen_k=0, **cache)
     group = nheads // info.num_kv_heads
+    if tuning.paged_prefill_form(info.cache, head_size, max_seqlen_q, total_q) == "decode":
+        return _decode_plan(q, info, block_tables, num_seqs, max_seqlen_q, dtype, features,
+                            softcap, softmax_scale, left, right, num_splits, cache_strides=s,
+                            lse_shape=lse_shape if return_lse else None, out=out,
+                            num_args=len(arrays), kv_layout=kv_layout)
     arch = device_info(device_id).arch
 
     def variant_for(split: bool, mask: int):
@@ -137,3 +149,68 @@ def _plan(arrays, max_seqlen_q, causal, softmax_scale, window_size, softcap, k_s
         num_splits=num_splits, features=features, softcap=softcap, batch=num_seqs,
         max_sq=max_seqlen_q, max_sk=max_context, total_q=total_q, fields=fields,
         variant_for=variant_for, pack=group))
+
+
+def _decode_plan(q, info, block_tables, num_seqs, max_seqlen_q, dtype, features, softcap,
+                 softmax_scale, left, right, num_splits, *, cache_strides, lse_shape, out,
+                 num_args, kv_layout) -> Plan:
+    """The few-token form (tuning.paged_prefill_form): multi-token decode on the tensor-core
+    paged form. num_splits: 0 the decode rule (v1, or v2 partitions that fill the SMs), 1 v1,
+    n > 1 v2 with the shortest partition that gives at most n per sequence (1024 tokens
+    when none does)."""
+    total_q, nheads, head_size = q.shape
+    device_id = q.device.id
+    if num_seqs > _MAX_GRID_YZ:
+        raise ValueError(f"q: batch {num_seqs} must be <= {_MAX_GRID_YZ} (grid dimensions)")
+    gqa = nheads // info.num_kv_heads
+    tokens, group = tuning.paged_multi_token(head_size, gqa, max_seqlen_q)
+    max_context = block_tables.shape[1] * info.block_size
+    slots, outputs, returned_slots, result = returns(
+        num_args, [(8 if out is not None else None, q.shape, q.dtype)] +
+        ([(None, lse_shape, np.float32)] if lse_shape is not None else []))
+    out_slot, lse_slot = (returned_slots + (NULL,))[:2]
+    align = ((0, 16), (1, 16), (2, 16), (3, 4), (4, 4), (5, 4), (6, 4), (7, 4)) + \
+        ((8, 16),) * (out is not None)
+    common = dict(device_id=device_id, align=align, outputs=outputs, result=result)
+    if total_q == 0 or num_seqs == 0:
+        return Plan(**common)
+
+    hooks = dict(alibi=bool(features & FEAT_ALIBI), softcap=bool(features & FEAT_SOFTCAP),
+                 sinks=bool(features & FEAT_SINKS), nhd=kv_layout == "nhd")
+    form = FORMS["mma"]
+
+    def key_for(partition_size):
+        return tuning.paged_mma_variant(dtype.short, head_size, info.block_size, group,
+                                        partition_size, tokens=tokens, **hooks)
+    grid = (nheads // group, num_seqs)
+    if num_splits == 0:
+        version, partition_size = form.choose("auto", None, grid[0] * num_seqs, max_context,
+                                              device_id, key_for(0))
+    elif num_splits == 1:
+        version, partition_size = "v1", 0
+    else:
+        version = "v2"
+        partition_size = next((ps for ps in tuning.PAGED_PARTITION_SIZES
+                               if -(-max_context // ps) <= num_splits),
+                              max(tuning.PAGED_PARTITION_SIZES))
+    o_row, o_head, _ = A.element_strides_or_contiguous(out, q.shape)
+    l_head, l_row = A.element_strides_or_contiguous(None, lse_shape) if lse_shape else (0, 0)
+    qs = A.element_strides(q)
+    unbounded = _UNBOUNDED
+    fields = dict(
+        q_stride_seq=qs[0], q_stride_head=qs[1], **cache_strides,
+        bt_stride_seq=block_tables.strides[0] // 4, scale_log2=softmax_scale * A.LOG2E,
+        v_scale=1.0, **hook_fields(softcap, 1 / A.LOG2E),
+        window_left=unbounded if left < 0 else min(left, unbounded),
+        window_right=unbounded if right < 0 else min(right, unbounded),
+        num_seqs=num_seqs, num_heads=nheads, gqa_ratio=gqa,
+        max_blocks_per_seq=block_tables.shape[1], out_stride_seq=o_row, out_stride_head=o_head,
+        lse_stride_head=l_head, lse_stride_seq=l_row)
+    inputs = tuple(slots.arg(i) for i in (0, 1, 2, 3, 4, 6, 7, 5))
+    with cupy.cuda.Device(device_id):
+        v1 = form.v1_launch(key_for(0), max_context, device_id) if version == "v1" else None
+        return Plan(**common, **decode_launches(
+            form, key_for, version, partition_size, v1, grid=grid, rows=total_q,
+            max_context=max_context, sinks=hooks["sinks"],
+            slots=(out_slot, lse_slot, slots.scratch(0), slots.scratch(1)) + inputs,
+            fields=fields, device_id=device_id))

@@ -10,6 +10,11 @@ namespace cuattn {
 // layout (tensor-core form, NHD: both caches [num_blocks, block_size, num_kv_heads,
 // HEAD_SIZE]) is the same K code with k_stride_x = 8 and k_stride_token the slot stride; its
 // V is read like its K (v_stride_token, v_stride_dim unused).
+//
+// Multi-token decode (tensor-core form, QTOK > 1: paged_prefill's few-token path): the query
+// rows of sequence s are cu_seqlens_q[s] .. cu_seqlens_q[s + 1] - 1, and every array below
+// sized by num_seqs (q, out, lse, tmp_out, tmp_lse) is sized by those rows (total_q)
+// instead; block_tables and seq_lens stay per sequence.
 struct PagedParams {
   void* out;                 // [num_seqs, num_heads, HEAD_SIZE]                 T (v1)
   void* lse;                 // [num_heads, num_seqs]                            float (v1, may be null)
@@ -22,6 +27,7 @@ struct PagedParams {
   const void* seq_lens;      // [num_seqs]                                       int32
   const void* alibi_slopes;  // [num_heads]                                      float (ALIBI only)
   const void* sinks;         // [num_heads]                                      float (SINKS, v1 only)
+  const void* cu_seqlens_q;  // [num_seqs + 1]                                   int32 (multi-token only)
   long long q_stride_seq, q_stride_head;
   long long out_stride_seq, out_stride_head;
   long long lse_stride_head, lse_stride_seq;
@@ -39,22 +45,26 @@ struct PagedParams {
   int max_blocks_per_seq;    // block_tables.shape[1]: sequences are clamped to its capacity
   int max_parts;             // v2: partitions per sequence in tmp_out / tmp_lse
   int logits_stride;         // CUDA-core form: floats per head in the dynamic shared logits buffer
-  int window_left;           // keys j >= seq_len - 1 - window_left (a huge value = unbounded)
+  int window_left;           // keys j >= pos - window_left (a huge value = unbounded); the query's
+  int window_right;          // pos = seq_len - 1 (decode; right is 0), seq_len - q_len + i (multi-token)
 };
 
+// Rows: the sequences, or the query rows of cu_seqlens_q (multi-token decode; non-null).
 struct PagedReduceParams {
-  void* out;              // [num_seqs, num_heads, HEAD_SIZE]                 T
-  void* lse;              // [num_heads, num_seqs]                            float (may be null)
-  const void* tmp_out;    // [num_seqs, num_heads, max_parts, HEAD_SIZE]      float
-  const void* tmp_lse;    // [num_seqs, num_heads, max_parts]                 float, natural log
+  void* out;              // [rows, num_heads, HEAD_SIZE]                     T
+  void* lse;              // [num_heads, rows]                                float (may be null)
+  const void* tmp_out;    // [rows, num_heads, max_parts, HEAD_SIZE]          float
+  const void* tmp_lse;    // [rows, num_heads, max_parts]                     float, natural log
   const void* seq_lens;   // [num_seqs]                                       int32
   const void* sinks;      // [num_heads]                                      float (SINKS only)
+  const void* cu_seqlens_q;  // [num_seqs + 1]                                int32 (multi-token only)
   long long out_stride_seq, out_stride_head;
   long long lse_stride_head, lse_stride_seq;
   int num_heads;
   int max_parts;
   int partition_size;
   int max_seq_len;        // max_blocks_per_seq * block_size (the clamp of the main kernel)
+  int num_seqs;
 };
 
 }  // namespace cuattn
