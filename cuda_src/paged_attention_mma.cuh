@@ -345,11 +345,13 @@ __device__ void paged_attention_mma_kernel(const PagedParams& p) {
         o[m][nt][2] *= alpha[nt][0]; o[m][nt][3] *= alpha[nt][1];
       }
     }
-    // P = exp2(S - max), packed to T and transposed into the B operand of P V, as P = hi +
-    // lo, two T each, so that P V keeps ~16 mantissa bits (a bf16 P alone is off by up to
-    // 2^-9 relative, visible when a few tokens dominate); the tensor cores are far from busy
-    // here, so the second MMA is free while HBM sets the pace.
-    constexpr int NP = 2;
+    // P = exp2(S - max), packed to T and transposed into the B operand of P V. With one
+    // n-tile as P = hi + lo, two T each, so that P V keeps ~16 mantissa bits (a bf16 P alone
+    // is off by up to 2^-9 relative, visible when a few tokens dominate): the tensor cores
+    // are far from busy there, so the second MMA is free while HBM sets the pace. With more
+    // n-tiles (multi-token decode) P alone, as the flash kernel's: the second MMA is no
+    // longer free (8 new tokens x 4 heads: 0.89-0.97x the time with it; bench/NOTES.md).
+    constexpr int NP = NT > 1 ? 1 : 2;
     u32 pb[MT][NT][NP][2];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
