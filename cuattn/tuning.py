@@ -294,11 +294,20 @@ def paged_prefill_variant(dtype: str, head_size: int, *, mask: int, split: bool,
 PREFILL_DECODE_MAX_TOKENS = 16
 
 
+def _multi_token_columns(head_size: int) -> int:
+    return 8 * min(4, 32 // (head_size // 16))
+
+
+def _multi_tokens(max_seqlen_q: int) -> int:
+    return 1 << max(0, max_seqlen_q - 1).bit_length()
+
+
 def paged_prefill_form(cache: str, head_size: int, max_seqlen_q: int, total_q: int) -> str:
     """"decode" (multi-token decode) or "flash": the kernel paged_prefill runs. (The decode
     form's partition reduce has one grid row per query row: at most 65535.)"""
     can_decode = (cache != "e4m3" and head_size % 16 == 0 and max_seqlen_q >= 1 and
-                  total_q <= 65535)
+                  total_q <= 65535 and
+                  _multi_tokens(max_seqlen_q) <= _multi_token_columns(head_size))
     forced = _overrides.get("prefill_form")
     if forced is not None:
         return "decode" if forced == "decode" and can_decode else "flash"
@@ -308,8 +317,8 @@ def paged_prefill_form(cache: str, head_size: int, max_seqlen_q: int, total_q: i
 def paged_multi_token(head_size: int, gqa_ratio: int, max_seqlen_q: int) -> tuple[int, int]:
     """(tokens, group) of multi-token decode: the compiled tokens per sequence (a power of
     two >= max_seqlen_q) and the query heads per block (a divisor of the GQA ratio)."""
-    tokens = 1 << max(0, max_seqlen_q - 1).bit_length()
-    max_cols = 8 * min(4, 32 // (head_size // 16))
+    tokens = _multi_tokens(max_seqlen_q)
+    max_cols = _multi_token_columns(head_size)
     if tokens > max_cols:
         raise ValueError(f"max_seqlen_q: {max_seqlen_q} new tokens exceed the {max_cols} "
                          f"columns of multi-token decode at head size {head_size}")

@@ -286,7 +286,7 @@ class PagedMmaVariant(Variant):
     dtype: str            # q / out / caches: f16 / bf16
     head_size: int
     block_size: int
-    group: int            # query heads per thread block (the N columns of the MMAs, <= 8)
+    group: int            # query heads per thread block, <= 8 (N columns: tokens x group)
     partition_size: int   # 0 = v1 (whole sequence), else v2's partition in tokens
     alibi: bool
     num_warps: int        # the ring (tuning.PagedMmaTiles)

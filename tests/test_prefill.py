@@ -106,8 +106,9 @@ def test_few_token_rule():
     with tuning.override(prefill_form="flash"):
         assert form("bf16", 128, 4, 1000) == "flash"
     with tuning.override(prefill_form="decode"):
-        assert form("bf16", 128, 700, 1000) == "decode"
-        assert form("bf16", 120, 4, 1000) == "flash"          # where it can run only
+        assert form("bf16", 128, 32, 1000) == "decode"        # 32 columns at hd128
+        assert form("bf16", 128, 33, 1000) == "flash"         # where it can run only
+        assert form("bf16", 120, 4, 1000) == "flash"
 
 
 def test_nhd_cache_shapes():

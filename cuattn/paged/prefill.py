@@ -196,13 +196,12 @@ def _decode_plan(q, info, block_tables, num_seqs, max_seqlen_q, dtype, features,
     o_row, o_head, _ = A.element_strides_or_contiguous(out, q.shape)
     l_head, l_row = A.element_strides_or_contiguous(None, lse_shape) if lse_shape else (0, 0)
     qs = A.element_strides(q)
-    unbounded = _UNBOUNDED
     fields = dict(
         q_stride_seq=qs[0], q_stride_head=qs[1], **cache_strides,
         bt_stride_seq=block_tables.strides[0] // 4, scale_log2=softmax_scale * A.LOG2E,
         v_scale=1.0, **hook_fields(softcap, 1 / A.LOG2E),
-        window_left=unbounded if left < 0 else min(left, unbounded),
-        window_right=unbounded if right < 0 else min(right, unbounded),
+        window_left=_UNBOUNDED if left < 0 else min(left, _UNBOUNDED),
+        window_right=_UNBOUNDED if right < 0 else min(right, _UNBOUNDED),
         num_seqs=num_seqs, num_heads=nheads, gqa_ratio=gqa,
         max_blocks_per_seq=block_tables.shape[1], out_stride_seq=o_row, out_stride_head=o_head,
         lse_stride_head=l_head, lse_stride_seq=l_row)
