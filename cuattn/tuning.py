@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .variants import (FEAT_PACK_GQA, KV_DENSE, MASK_CAUSAL, MASK_NONE, MASK_WINDOW,
                        FlashCombineVariant, FlashFwdVariant, MergeVariant, PagedMmaVariant,
@@ -200,9 +200,9 @@ def flash_forward_variant(dtype: str, head_dim: int, *, mask: int, split: bool,
     return _flash_variant(dtype, hd, t, mask, split, KV_DENSE, features)
 
 
-def _flash_variant(dtype, hd, t, mask, split, kv, features) -> FlashFwdVariant:
+def _flash_variant(dtype, hd, t, mask, split, kv, features, fp8=False) -> FlashFwdVariant:
     return FlashFwdVariant(dtype, hd, t.block_m, t.block_n, t.num_warps, t.stages, mask, split,
-                           int(t.q_smem), bool(t.kv_split), int(t.softmax), kv, features)
+                           int(t.q_smem), bool(t.kv_split), int(t.softmax), kv, features, fp8)
 
 
 # Split-KV combine: one warp per (token, head) row.
@@ -276,11 +276,14 @@ def paged_prefill_tiles(arch: str, head_dim: int, rows: int, mask: int = MASK_CA
 
 
 def paged_prefill_variant(dtype: str, head_size: int, *, mask: int, split: bool, arch: str,
-                          kv: int, features: int, rows: int) -> FlashFwdVariant:
-    """paged_prefill's kernel: rows = max_seqlen_q x (query heads per KV head)."""
+                          kv: int, features: int, rows: int, fp8: bool = False) -> FlashFwdVariant:
+    """paged_prefill's kernel: rows = max_seqlen_q x (query heads per KV head). fp8 caches
+    take the same tiles without kv_split (a stage is widened once all of it has landed)."""
     hd = compiled_head_dim(head_size)
     t = paged_prefill_tiles(arch, hd, rows, mask, split, features)
-    return _flash_variant(dtype, hd, t, mask, split, kv, features | FEAT_PACK_GQA)
+    if fp8:
+        t = replace(t, kv_split=False)
+    return _flash_variant(dtype, hd, t, mask, split, kv, features | FEAT_PACK_GQA, fp8)
 
 
 # A few new tokens per sequence (speculative verification) run instead on the tensor-core

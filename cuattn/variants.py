@@ -31,7 +31,7 @@ FLASH_PARAMS = ParamsStruct("FlashFwdParams", [
     ("window_right", "i32"), ("num_splits", "i32"), ("block_shift", "i32"),
     ("max_blocks_per_seq", "i32"),
     ("scale_log2", "f32"), ("softmax_scale_inv", "f32"), ("softcap_in", "f32"),
-    ("softcap_out", "f32"),
+    ("softcap_out", "f32"), ("k_scale", "f32"), ("v_scale", "f32"),
 ])
 
 MERGE_PARAMS = ParamsStruct("MergeParams", [
@@ -116,6 +116,7 @@ class FlashFwdVariant(Variant):
     softmax: int
     kv: int = KV_DENSE    # the K/V source
     features: int = 0     # FEAT_* bits
+    fp8: bool = False     # a paged fp8 e4m3 cache, widened in shared memory
 
     op: ClassVar[str] = "flash_fwd"
     header: ClassVar[str] = "flash_fwd.cuh"
@@ -127,10 +128,12 @@ class FlashFwdVariant(Variant):
     def __post_init__(self):
         if self.mask not in _MASK_NAMES or self.softmax not in (0, 1, 2, 3) or \
                 self.q_smem not in (0, 1, 2) or self.kv not in _KV_NAMES or \
-                not 0 <= self.features < 16:
+                not 0 <= self.features < 16 or \
+                (self.fp8 and (self.kv == KV_DENSE or self.kv_split)):
             raise ValueError(f"FlashFwdVariant: mask 0 to 2 (got {self.mask}), softmax 0 to 3 "
                              f"(got {self.softmax}), q_smem 0 to 2 (got {self.q_smem}), kv 0 "
-                             f"to 2 (got {self.kv}), features 0 to 15 (got {self.features})")
+                             f"to 2 (got {self.kv}), features 0 to 15 (got {self.features}), "
+                             f"fp8 paged and without kv_split (got {self.fp8})")
 
     def name_parts(self):
         parts = (self.dtype, f"hd{self.head_dim}", f"bm{self.block_m}", f"bn{self.block_n}",
@@ -139,12 +142,13 @@ class FlashFwdVariant(Variant):
         knobs = qs + (("kvs",) if self.kv_split else ()) + \
             ((f"sm{self.softmax}",) if self.softmax else ())
         features = tuple(name for bit, name in _FEATURE_NAMES if self.features & bit)
-        return parts + knobs + (("split",) if self.split else ()) + _KV_NAMES[self.kv] + features
+        return parts + knobs + (("split",) if self.split else ()) + _KV_NAMES[self.kv] + \
+            (("e4m3",) if self.fp8 else ()) + features
 
     def traits_args(self):
         return (BY_SHORT[self.dtype].cpp, self.head_dim, self.block_m, self.block_n,
                 self.num_warps, self.stages, self.mask, self.split, self.q_smem, self.kv_split,
-                self.softmax, self.kv, self.features)
+                self.softmax, self.kv, self.features, self.fp8)
 
     @property
     def num_threads(self) -> int:
@@ -159,8 +163,10 @@ class FlashFwdVariant(Variant):
 
     @property
     def dynamic_smem_bytes(self) -> int:
-        # Q tile + STAGES x (K tile + V tile), 2-byte elements (pinned to Traits::SMEM_BYTES)
-        return 2 * self.head_dim * (self.block_m + 2 * self.stages * self.block_n)
+        # Q tile + STAGES x (K tile + V tile), 2-byte elements, and with fp8 each stage's raw
+        # K and V bytes (pinned to Traits::SMEM_BYTES)
+        raw = 2 * self.stages * self.block_n * self.head_dim if self.fp8 else 0
+        return 2 * self.head_dim * (self.block_m + 2 * self.stages * self.block_n) + raw
 
 
 @dataclass(frozen=True)

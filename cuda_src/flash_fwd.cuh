@@ -42,11 +42,19 @@ enum : int { kSoftcap = 1, kAlibi = 2, kSinks = 4, kPackGqa = 8 };
 //   FEATURES  bits: kSoftcap, kAlibi (the logits hook), kSinks (a per-head logit in the
 //             denominator), kPackGqa (a block's rows are the tokens x query heads of one KV
 //             head: each K/V tile is read once for the whole group; paged_prefill).
+//   FP8       a paged cache of fp8 e4m3 bytes: each stage also holds its tile's raw bytes,
+//             copied by cp.async and widened to T (times k_scale / v_scale) in shared memory
+//             once the stage has landed (KVSource::widen), before any warp reads it.
+template <bool FP8, typename T> struct CacheElem { using type = T; };
+template <typename T> struct CacheElem<true, T> { using type = unsigned char; };
+
 template <typename T_, int HEAD_DIM_, int BLOCK_M_, int BLOCK_N_, int NUM_WARPS_, int STAGES_,
           int MASK_, bool SPLIT_, int Q_SMEM_, bool KV_SPLIT_, int SOFTMAX_, int KV_,
-          int FEATURES_>
+          int FEATURES_, bool FP8_>
 struct FlashFwdTraits {
   using T = T_;
+  static constexpr bool FP8 = FP8_;
+  using C = typename CacheElem<FP8, T>::type;           // an element of the K/V source
   using Mask = BandMask<MASK_>;
   static constexpr int KV = KV_;
   static constexpr bool PAGED = KV != kKvDense;
@@ -77,7 +85,8 @@ struct FlashFwdTraits {
   static constexpr int O_N_TILES = HEAD_DIM / 8;        // n8 tiles of O
   static constexpr int Q_BYTES = BLOCK_M * HEAD_DIM * 2;
   static constexpr int KV_TILE_BYTES = BLOCK_N * HEAD_DIM * 2;
-  static constexpr int STAGE_BYTES = 2 * KV_TILE_BYTES;  // K tile then V tile
+  static constexpr int FP8_TILE_BYTES = FP8 ? BLOCK_N * HEAD_DIM : 0;   // raw K (or V) bytes
+  static constexpr int STAGE_BYTES = 2 * KV_TILE_BYTES + 2 * FP8_TILE_BYTES;  // K, V (, K8, V8)
   static constexpr int SMEM_BYTES = Q_BYTES + STAGES * STAGE_BYTES;
   static constexpr int KV_CHUNKS = BLOCK_N * D_CHUNKS;   // of K, and of V either way
   static constexpr int VT_CHUNKS = BLOCK_N / 8;         // V_BY_DIM: chunks (8 keys) per dim row
@@ -121,6 +130,8 @@ struct FlashFwdTraits {
   static_assert(KV_ >= kKvDense && KV_ <= kKvPagedVllm && FEATURES_ >= 0 && FEATURES_ < 16,
                 "knob range");
   static_assert(!V_BY_DIM || BLOCK_N % 32 == 0, "a [dim][key] V tile: rows of >= 4 chunks");
+  static_assert(!FP8 || (PAGED && !KV_SPLIT && HEAD_DIM % 16 == 0),
+                "fp8: a paged cache, widened once the whole stage has landed");
 };
 
 // Rows of one batch entry: where they start and how many there are.
@@ -156,9 +167,10 @@ struct QueryRows {
 template <typename Tr>
 struct KVSource {
   using T = typename Tr::T;
+  using C = typename Tr::C;
   const FlashFwdParams& p;
-  const T* k;           // dense: key 0 of this sequence and KV head; paged: this KV head's
-  const T* v;           // offset in the caches
+  const C* k;           // dense: key 0 of this sequence and KV head; paged: this KV head's
+  const C* v;           // offset in the caches
   const int* block_table;   // paged: this sequence's row
   int sk;
   int head_dim_chunks;
@@ -166,8 +178,8 @@ struct KVSource {
   int ld_row, ld_ch;    // EVEN_ROWS: this thread's first row and its column chunk
   bool ld_ch_ok;
 
-  __device__ __forceinline__ KVSource(const FlashFwdParams& params, const T* k_rows,
-                                      const T* v_rows, const int* table, int seqlen_k,
+  __device__ __forceinline__ KVSource(const FlashFwdParams& params, const C* k_rows,
+                                      const C* v_rows, const int* table, int seqlen_k,
                                       int thread)
       : p(params), k(k_rows), v(v_rows), block_table(table), sk(seqlen_k),
         head_dim_chunks(params.head_dim / 8), tid(thread),
@@ -192,8 +204,113 @@ struct KVSource {
     return block_of(j) * p.v_stride_block + slot_of(j) * p.v_stride_row + ch * 8;
   }
 
+  // fp8 (Tr::FP8): the tile's raw bytes into the stage's K8 / V8 areas, unswizzled: K (and
+  // NHD's V) as [key][16 dims] 16-byte chunks, vLLM's V as [dim][8 keys] 8-byte chunks (a
+  // block holds >= 8 keys); keys past the sequence and dims past head_dim zero-filled.
+  __device__ __forceinline__ void load_fp8(u32 stage_base, int tile) const {
+    constexpr int FC = Tr::HEAD_DIM / 16, VTC = Tr::VT_CHUNKS, THREADS = Tr::THREADS;
+    const u32 k8 = stage_base + 2 * Tr::KV_TILE_BYTES, v8 = k8 + Tr::FP8_TILE_BYTES;
+    const int real_fc = p.head_dim / 16;
+#pragma unroll
+    for (int it = 0; it < (Tr::BLOCK_N * FC + THREADS - 1) / THREADS; ++it) {
+      const int c = it * THREADS + tid;
+      if ((Tr::BLOCK_N * FC) % THREADS == 0 || c < Tr::BLOCK_N * FC) {
+        const int r = c / FC, fc = c % FC;
+        const int key = tile * Tr::BLOCK_N + r;
+        const bool ok = key < sk && fc < real_fc;
+        const long long blk = ok ? block_of(key) : 0;
+        const C* kp = k + blk * p.k_stride_block + slot_of(key) * p.k_stride_row +
+                      fc * (Tr::V_BY_DIM ? p.k_stride_chunk : 16);
+        cp_async_16(k8 + c * 16, ok ? kp : k, ok ? 16 : 0);
+        if constexpr (!Tr::V_BY_DIM) {
+          const C* vp = v + blk * p.v_stride_block + slot_of(key) * p.v_stride_row + fc * 16;
+          cp_async_16(v8 + c * 16, ok ? vp : v, ok ? 16 : 0);
+        }
+      }
+    }
+    if constexpr (Tr::V_BY_DIM) {
+#pragma unroll
+      for (int it = 0; it < (Tr::HEAD_DIM * VTC + THREADS - 1) / THREADS; ++it) {
+        const int c = it * THREADS + tid;
+        if ((Tr::HEAD_DIM * VTC) % THREADS == 0 || c < Tr::HEAD_DIM * VTC) {
+          const int d = c / VTC, key0 = tile * Tr::BLOCK_N + (c % VTC) * 8;
+          const bool ok = key0 < sk && d < p.head_dim;
+          const C* vp = ok ? v + block_of(key0) * p.v_stride_block + d * p.v_stride_dim +
+                                 slot_of(key0)
+                           : v;
+          cp_async_8(v8 + c * 8, vp, ok ? min(8, sk - key0) : 0);
+        }
+      }
+    }
+  }
+
+  // fp8: widen the landed raw bytes of a stage (generic pointer `stage`) into its K and V
+  // tiles of T, as load() would have laid them out, times k_scale / v_scale.
+  __device__ __forceinline__ void widen(unsigned char* stage) const {
+    constexpr int FC = Tr::HEAD_DIM / 16, VTC = Tr::VT_CHUNKS, D_CHUNKS = Tr::D_CHUNKS;
+    constexpr int THREADS = Tr::THREADS;
+    const unsigned char* k8 = stage + 2 * Tr::KV_TILE_BYTES;
+    const unsigned char* v8 = k8 + Tr::FP8_TILE_BYTES;
+    auto widen8 = [](const unsigned char* src, float scale) {   // 8 fp8 -> 8 T
+      float f[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        __nv_fp8_e4m3 x;
+        x.__x = src[i];
+        f[i] = to_float(x) * scale;
+      }
+      uint4 out;
+      out.x = pack_pair<T>(f[0], f[1]); out.y = pack_pair<T>(f[2], f[3]);
+      out.z = pack_pair<T>(f[4], f[5]); out.w = pack_pair<T>(f[6], f[7]);
+      return out;
+    };
+#pragma unroll 1
+    for (int it = 0; it < (Tr::BLOCK_N * FC + THREADS - 1) / THREADS; ++it) {
+      const int c = it * THREADS + tid;
+      if ((Tr::BLOCK_N * FC) % THREADS == 0 || c < Tr::BLOCK_N * FC) {
+        const int r = c / FC, fc = c % FC;
+        const uint4 kraw = *reinterpret_cast<const uint4*>(k8 + c * 16);
+        const unsigned char* kb = reinterpret_cast<const unsigned char*>(&kraw);
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+          *reinterpret_cast<uint4*>(stage + swizzled_offset<D_CHUNKS>(r, 2 * fc + h)) =
+              widen8(kb + 8 * h, p.k_scale);
+        if constexpr (!Tr::V_BY_DIM) {
+          const uint4 vraw = *reinterpret_cast<const uint4*>(v8 + c * 16);
+          const unsigned char* vb = reinterpret_cast<const unsigned char*>(&vraw);
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+            *reinterpret_cast<uint4*>(stage + Tr::KV_TILE_BYTES +
+                                      swizzled_offset<D_CHUNKS>(r, 2 * fc + h)) =
+                widen8(vb + 8 * h, p.v_scale);
+        }
+      }
+    }
+    if constexpr (Tr::V_BY_DIM) {
+#pragma unroll 1
+      for (int it = 0; it < (Tr::HEAD_DIM * VTC + THREADS - 1) / THREADS; ++it) {
+        const int c = it * THREADS + tid;
+        if ((Tr::HEAD_DIM * VTC) % THREADS == 0 || c < Tr::HEAD_DIM * VTC) {
+          const uint2 vraw = *reinterpret_cast<const uint2*>(v8 + c * 8);
+          *reinterpret_cast<uint4*>(stage + Tr::KV_TILE_BYTES +
+                                    swizzled_offset<VTC>(c / VTC, c % VTC)) =
+              widen8(reinterpret_cast<const unsigned char*>(&vraw), p.v_scale);
+        }
+      }
+    }
+  }
+
   __device__ __forceinline__ void load(u32 stage_base, int tile, bool do_k = true,
                                        bool do_v = true) const {
+    if constexpr (Tr::FP8) {
+      load_fp8(stage_base, tile);
+    } else {
+      load_16bit(stage_base, tile, do_k, do_v);
+    }
+  }
+
+  __device__ __forceinline__ void load_16bit(u32 stage_base, int tile, bool do_k,
+                                             bool do_v) const {
     constexpr int D_CHUNKS = Tr::D_CHUNKS;
     const u32 sk_base = stage_base;
     const u32 sv_base = stage_base + Tr::KV_TILE_BYTES;
@@ -606,8 +723,9 @@ __device__ void flash_fwd_kernel(const FlashFwdParams& p) {
 
   const T* q_ptr = static_cast<const T*>(p.q) + b * p.q_stride_batch +
                    (long long)qr.start * p.q_stride_row;
-  const T* k_rows = static_cast<const T*>(p.k) + kvh * p.k_stride_head;
-  const T* v_rows = static_cast<const T*>(p.v) + kvh * p.v_stride_head;
+  using C = typename Tr::C;
+  const C* k_rows = static_cast<const C*>(p.k) + kvh * p.k_stride_head;
+  const C* v_rows = static_cast<const C*>(p.v) + kvh * p.v_stride_head;
   const int* block_table = nullptr;
   if constexpr (Tr::PAGED) {
     block_table = static_cast<const int*>(p.block_tables) + b * p.bt_stride_seq;
@@ -734,6 +852,10 @@ __device__ void flash_fwd_kernel(const FlashFwdParams& p) {
         kv.load(stage_base(n + STAGES - 1), tiles.tile_of(n + STAGES - 1));
       }
       cp_async_commit();
+    }
+    if constexpr (Tr::FP8) {   // every thread's raw bytes of tile n have landed: widen them
+      kv.widen(smem + Tr::Q_BYTES + (n % STAGES) * Tr::STAGE_BYTES);
+      __syncthreads();
     }
     const u32 sk_base = stage_base(n);
     const u32 k_lane = sk_base + k_row * D_CHUNKS * 16;

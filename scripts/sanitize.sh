@@ -43,7 +43,7 @@ command -v "$cs" > /dev/null || { echo "sanitize.sh: $cs not found (set COMPUTE_
 # reshape_and_cache; merge (pair, stacked, +/-inf); CUDA-graph replays of all of them;
 # paged_prefill (both layouts, block sizes 1 and 8, few and many rows, split + sinks, every
 # hook, prefix sharing, graph replay; the few-token form v1 and v2, hooks and windows, 3
-# n-tiles), NHD reshape_and_cache, the hooks on flash and on
+# n-tiles; fp8 caches in both layouts), NHD reshape_and_cache, the hooks on flash and on
 # both decode forms (v1 and v2, NHD block sizes 1 and 256, windows).
 reduced="tests/test_merge.py
  tests/test_flash.py::test_small_against_numpy_float64
@@ -73,6 +73,9 @@ reduced="tests/test_merge.py
  tests/test_prefill.py::test_few_token_form_layouts_and_splits[1-nhd-1]
  tests/test_prefill.py::test_few_token_form_hooks_and_windows[4-False-window3-softcap+alibi+sinks]
  tests/test_prefill.py::test_few_token_form_head_sizes_and_groups[vllm-96-2-6-bf16]
+ tests/test_prefill.py::test_fp8_caches_both_layouts[vllm-8]
+ tests/test_prefill.py::test_fp8_caches_both_layouts[nhd-1]
+ tests/test_prefill.py::test_fp8_caches_head_sizes_hooks_splits[softcap+alibi+sinks-False-window1-0-80-8-bf16]
  tests/test_prefill.py::test_prefix_sharing tests/test_prefill.py::test_nhd_reshape_and_cache_round_trip
  tests/test_prefill.py::test_captured_in_a_cuda_graph_replays_with_new_lengths
  tests/test_prefill.py::test_flash_hooks[128-False-window2-softcap+alibi+sinks]

@@ -615,12 +615,14 @@ ROWS += table(
     ("q-strided", new("q", strided=True), ValueError, "q"),
     ("q-misaligned", new("q", offset=2), ValueError, "q"),
     ("q-row-stride-misaligned", make(q=padded((6, 4, 128), BF16, 4)), ValueError, "q"),
-    # caches: the query's dtype (fp8 not yet), in kv_layout's shapes
+    # caches: the query's dtype or fp8 (both alike), in kv_layout's shapes
     ("k_cache-f16", new("k_cache", "v_cache", dtype=F16), TypeError, "k_cache"),
     ("v_cache-f16", new("v_cache", dtype=F16), TypeError, "v_cache"),
-    ("k_cache-fp8-not-yet", make(k_cache=lambda mk: mk.zeros(_FP8_KSHAPE, np.uint8),
-                                 v_cache=lambda mk: mk.zeros(_FP8_VSHAPE, np.uint8)),
-     TypeError, "k_cache"),
+    ("v_cache-bf16-with-fp8-k", make(k_cache=lambda mk: mk.zeros(_FP8_KSHAPE, np.uint8)),
+     TypeError, "v_cache"),
+    ("k_scale-0-fp8", lambda kw, mk: {**kw, "k_cache": mk.zeros(_FP8_KSHAPE, np.uint8),
+                                      "v_cache": mk.zeros(_FP8_VSHAPE, np.uint8),
+                                      "k_scale": 0.0}, ValueError, "k_scale"),
     ("k_cache-rank4-vllm", new("k_cache", shape=NHD_SHAPE), ValueError, "k_cache"),
     ("block_size-64", new("k_cache", shape=(4, 2, 16, 64, 8)), ValueError, "k_cache"),
     ("kv_layout-hnd", put(kv_layout="hnd"), ValueError, "kv_layout"),

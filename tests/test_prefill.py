@@ -23,6 +23,7 @@ from tests.reference import attention_reference, check_attention, merge_referenc
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 DTYPES = {"f16": np.dtype(np.float16), "bf16": BF16}
+FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
 ALL_HOOKS = FEAT_SOFTCAP | FEAT_ALIBI | FEAT_SINKS
 
 
@@ -65,6 +66,18 @@ def test_prefill_tile_rule():
     wide = tuning.paged_prefill_variant("bf16", 256, mask=1, split=False, arch="sm_90",
                                         kv=KV_PAGED_VLLM, features=0, rows=8192)
     assert wide.block_n >= 32   # vLLM's V tile: rows of >= 4 chunks
+
+
+def test_fp8_forms_compile_for_sm90():
+    """fp8 caches (the flash form with its widening pass) in both layouts, few and many rows,
+    plain and hooked. (Some spill 4-72 B: bench/NOTES.md; correctness is the GPU tests'.)"""
+    forms = [tuning.paged_prefill_variant("bf16", hs, mask=mask, split=split, arch="sm_90",
+                                          kv=kv, features=f, rows=rows, fp8=True)
+             for hs in (64, 128, 256) for kv in (KV_PAGED_NHD, KV_PAGED_VLLM)
+             for rows in (8, 2048) for mask, split in ((1, False), (2, True))
+             for f in (0, ALL_HOOKS)]
+    reports = compile_reports(list(dict.fromkeys(forms)), "sm_90")
+    assert all(v.fp8 and "e4m3" in v.name and r.registers <= 255 for v, r in reports)
 
 
 def _few_token_forms():
@@ -137,13 +150,16 @@ def write_tokens(k_cache, v_cache, layout, blk, off, k, v):
 
 
 def make_batch(rng, *, contexts, q_lens, nkv, group, head_size, block_size, dtype, layout,
-               extra_table=2, shared_prefix=0):
+               extra_table=2, shared_prefix=0, fp8_scales=None):
     """Host arrays of one paged_prefill batch: sequence s has contexts[s] tokens in the cache
     (its last q_lens[s] being the new ones) in shuffled physical blocks; NaN in every slot a
     sequence must not read (past its length, unreferenced blocks, table entries past its
     end). shared_prefix > 0: every sequence's first shared_prefix tokens (whole blocks) are
-    the same blocks of the cache."""
+    the same blocks of the cache. fp8_scales = (k_scale, v_scale): an fp8 e4m3 cache holding
+    K / k_scale and V / v_scale, and ks / vs (the reference's) the values it dequantises to
+    (e4m3 x scale in the query's dtype)."""
     dt = DTYPES[dtype]
+    cache_dt = dt if fp8_scales is None else FP8
     nheads = nkv * group
     bps = [-(-n // block_size) for n in contexts]
     shared_blocks = shared_prefix // block_size
@@ -152,10 +168,10 @@ def make_batch(rng, *, contexts, q_lens, nkv, group, head_size, block_size, dtyp
     num_blocks = shared_blocks + own + 5
     perm = rng.permutation(num_blocks)
     nan_block = int(perm[-1])
-    kshape, vshape = cuattn.paged_kv_cache_shapes(num_blocks, nkv, head_size, block_size, dt,
-                                                  kv_layout=layout)
-    k_cache = np.full(kshape, np.nan, dt)
-    v_cache = np.full(vshape, np.nan, dt)
+    kshape, vshape = cuattn.paged_kv_cache_shapes(num_blocks, nkv, head_size, block_size,
+                                                  cache_dt, kv_layout=layout)
+    k_cache = np.full(kshape, np.nan, cache_dt)
+    v_cache = np.full(vshape, np.nan, cache_dt)
     block_tables = np.full((len(contexts), max_blocks), nan_block, np.int32)
     prefix_k = rng.standard_normal((shared_prefix, nkv, head_size)).astype(dt)
     prefix_v = rng.standard_normal((shared_prefix, nkv, head_size)).astype(dt)
@@ -169,8 +185,17 @@ def make_batch(rng, *, contexts, q_lens, nkv, group, head_size, block_size, dtyp
         v = rng.standard_normal((n, nkv, head_size)).astype(dt)
         k[:shared_prefix], v[:shared_prefix] = prefix_k[:n], prefix_v[:n]
         tok = np.arange(n)
-        write_tokens(k_cache, v_cache, layout, block_tables[s, tok // block_size],
-                     tok % block_size, k, v)
+        if fp8_scales is not None:     # what the cache holds, and what it means
+            kq = (k.astype(np.float32) / fp8_scales[0]).astype(FP8)
+            vq = (v.astype(np.float32) / fp8_scales[1]).astype(FP8)
+            write_tokens(k_cache, v_cache, layout, block_tables[s, tok // block_size],
+                         tok % block_size, kq, vq)
+            # dequantised into the query's dtype, as vLLM's kernels (and ours) do
+            k = (kq.astype(np.float32) * np.float32(fp8_scales[0])).astype(dt)
+            v = (vq.astype(np.float32) * np.float32(fp8_scales[1])).astype(dt)
+        else:
+            write_tokens(k_cache, v_cache, layout, block_tables[s, tok // block_size],
+                         tok % block_size, k, v)
         ks.append(k)
         vs.append(v)
     q = rng.standard_normal((sum(q_lens), nheads, head_size)).astype(dt)
@@ -201,7 +226,9 @@ def on_device(b, kw):
     for name in ("alibi_slopes", "sinks"):
         if kw.get(name) is not None:
             kw[name] = cp.asarray(kw[name])
-    return {k: cp.asarray(v) for k, v in b.items() if isinstance(v, np.ndarray)}
+    # (fp8 caches travel as their uint8 view: CuPy has no float8 dtype)
+    return {k: cp.asarray(v.view(np.uint8) if v.dtype == FP8 else v) for k, v in b.items()
+            if isinstance(v, np.ndarray)}
 
 
 def run_prefill(b, **kw):
@@ -453,6 +480,44 @@ def test_flash_varlen_hooks_with_empty_sequences(rng):
                                 **_ref_kw(kw)) for i in range(len(lens_q))]
     check(out, lse, np.concatenate([r[0] for r in refs]),
           np.concatenate([r[1] for r in refs], axis=1), "f16")
+
+
+# -- GPU: fp8 e4m3 caches (the flash form, widened in shared memory) ---------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout,block_size", [("vllm", 8), ("vllm", 16), ("vllm", 32),
+                                               ("nhd", 1), ("nhd", 16), ("nhd", 256)])
+def test_fp8_caches_both_layouts(rng, layout, block_size):
+    """Speculative, empty and chunk-sized queries over an fp8 cache against the reference
+    over the dequantised values (k_scale, v_scale != 1)."""
+    scales = (0.05, 0.02)
+    b = make_batch(rng, contexts=MIXED_CTX, q_lens=MIXED_Q, nkv=2, group=4, head_size=128,
+                   block_size=block_size, dtype="bf16", layout=layout, fp8_scales=scales)
+    assert tuning.paged_prefill_form("e4m3", 128, b["max_seqlen_q"], 1) == "flash"
+    ref = batch_reference(b, 1 / math.sqrt(128), causal=True)
+    out, lse = run_prefill(b, kv_layout=layout, k_scale=scales[0], v_scale=scales[1])
+    check(out, lse, *ref, "bf16")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_size,group,dtype", [(64, 1, "f16"), (80, 8, "bf16"),
+                                                   (192, 4, "bf16"), (256, 2, "f16")])
+@pytest.mark.parametrize("which,causal,window,num_splits",
+                         [("", True, (-1, -1), 3), ("softcap+alibi+sinks", False, (64, 16), 0),
+                          ("sinks", True, (100, 0), 1)])
+def test_fp8_caches_head_sizes_hooks_splits(rng, head_size, group, dtype, which, causal,
+                                            window, num_splits):
+    scales = (0.07, 0.03)
+    nheads = 2 * group
+    b = make_batch(rng, contexts=[900, 20, 400], q_lens=[3, 20, 130], nkv=2, group=group,
+                   head_size=head_size, block_size=16, dtype=dtype, layout="vllm",
+                   fp8_scales=scales)
+    kw = hook_values(rng, nheads, which)
+    scale = 1 / math.sqrt(head_size)
+    out, lse = run_prefill(b, causal=causal, window_size=window, num_splits=num_splits,
+                           k_scale=scales[0], v_scale=scales[1], **kw)
+    check(out, lse, *batch_reference(b, scale, causal=causal, window=window, **_ref_kw(kw)),
+          dtype)
 
 
 # -- GPU: paged_prefill's few-token form (multi-token decode) -----------------------------------

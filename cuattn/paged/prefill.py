@@ -47,15 +47,16 @@ def paged_prefill(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, max
         packed; cu_seqlens_q: int32 (num_seqs + 1,) their prefix sums; max_seqlen_q bounds
         every sequence's new tokens (not checked against the device values).
     k_cache, v_cache: the paged cache in ``kv_layout`` ("vllm" or "nhd", cuattn.paged.layout),
-        the query's dtype (16-bit caches), the new tokens already written (reshape_and_cache).
+        the query's dtype or fp8 e4m3 (ml_dtypes.float8_e4m3fn or uint8, dequantised as value
+        * k_scale / v_scale), the new tokens already written (reshape_and_cache).
     block_tables: int32 (num_seqs, max_blocks_per_seq); seq_lens: int32 (num_seqs,), each
         sequence's whole length, new tokens included (clamped to the table's capacity).
         Query i of sequence s sits at position seq_lens[s] - q_len[s] + i: causal is aligned
         to the bottom-right corner, window_size = (left, right) around that diagonal.
-    softcap, alibi_slopes, sinks: cuattn._hooks. k_scale / v_scale: for fp8 caches (not yet
-        supported here); ignored for 16-bit caches, as in vLLM. num_splits: split-KV (0: the
-        tuning rule). Returns out (like q), or (out, lse) with lse float32 (nheads, total_q),
-        natural log: the layout merge_attn_states takes.
+    softcap, alibi_slopes, sinks: cuattn._hooks. k_scale / v_scale: for fp8 caches; ignored
+        for 16-bit caches, as in vLLM. num_splits: split-KV (0: the tuning rule). Returns
+        out (like q), or (out, lse) with lse float32 (nheads, total_q), natural log: the
+        layout merge_attn_states takes.
     """
     options = (max_seqlen_q, causal, softmax_scale, window_size, softcap, k_scale, v_scale,
                kv_layout, return_lse, num_splits)
@@ -80,11 +81,10 @@ def _plan(arrays, max_seqlen_q, causal, softmax_scale, window_size, softcap, k_s
     A.check_aligned(q, 16, "q")
     kv_layout = check_layout(kv_layout)
     info = check_caches(k_cache, v_cache, dtype, head_size, kv_layout)
-    if info.cache == "e4m3":
-        raise TypeError("k_cache: fp8 caches are not supported by paged_prefill yet; "
-                        "expected the query's dtype")
-    check_scale(k_scale, "k_scale")
-    check_scale(v_scale, "v_scale")
+    fp8 = info.cache == "e4m3"
+    k_scale, v_scale = check_scale(k_scale, "k_scale"), check_scale(v_scale, "v_scale")
+    if not fp8:
+        k_scale = v_scale = 1.0     # ignored for 16-bit caches, as in vLLM
     if info.num_kv_heads == 0 or nheads % info.num_kv_heads:
         raise ValueError(f"q: nheads {nheads} is not a multiple of the caches' nheads_kv "
                          f"{info.num_kv_heads}")
@@ -127,7 +127,8 @@ def _plan(arrays, max_seqlen_q, causal, softmax_scale, window_size, softcap, k_s
         v_stride_batch=0, o_stride_batch=0, o_stride_row=os_[0], o_stride_head=os_[1],
         lse_stride_batch=0, lse_stride_head=ls[0], lse_stride_row=ls[1],
         bt_stride_seq=block_tables.strides[0] // 4, block_shift=info.block_size.bit_length() - 1,
-        max_blocks_per_seq=max_blocks, seqlen_q=max(total_q, 1), seqlen_k=0, **cache)
+        max_blocks_per_seq=max_blocks, seqlen_q=max(total_q, 1), seqlen_k=0, k_scale=k_scale,
+        v_scale=v_scale, **cache)
     group = nheads // info.num_kv_heads
     if tuning.paged_prefill_form(info.cache, head_size, max_seqlen_q, total_q) == "decode":
         return _decode_plan(q, info, block_tables, num_seqs, max_seqlen_q, dtype, features,
@@ -139,7 +140,7 @@ def _plan(arrays, max_seqlen_q, causal, softmax_scale, window_size, softcap, k_s
     def variant_for(split: bool, mask: int):
         return tuning.paged_prefill_variant(dtype.short, head_size, mask=mask, split=split,
                                             arch=arch, kv=kv, features=features,
-                                            rows=max_seqlen_q * group)
+                                            rows=max_seqlen_q * group, fp8=fp8)
     return flash_plan(Call(
         device_id=device_id, dtype=dtype, q=q, nheads_kv=info.num_kv_heads, out=out,
         lse_shape=lse_shape if return_lse else None, num_args=len(arrays), out_arg=8,

@@ -103,6 +103,11 @@ __device__ __forceinline__ void cp_async_16(u32 dst, const void* src, int src_by
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
                :: "r"(dst), "l"(src), "r"(src_bytes));
 }
+// 8 bytes (through L1: .cg takes 16 only); src_bytes < 8 zero-fills the rest.
+__device__ __forceinline__ void cp_async_8(u32 dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n"
+               :: "r"(dst), "l"(src), "r"(src_bytes));
+}
 // The same with an L2 cache policy (from l2_evict_first_policy): for data read exactly once,
 // such as a KV cache in decode, so that its lines are the first to go and neither evict
 // lines the next kernels want nor wait on dirty lines being written back.

@@ -56,6 +56,7 @@ struct FlashFwdParams {
   float softmax_scale_inv;    // 1 / softmax_scale: ALiBi slopes and sinks in raw-score units
   float softcap_in;           // softcap: softmax_scale / cap (common/logits.cuh)
   float softcap_out;          // softcap: cap / softmax_scale
+  float k_scale, v_scale;     // fp8 caches: K and V are e4m3 values times these (else 1)
 };
 
 }  // namespace cuattn
