@@ -325,9 +325,7 @@ def paged_multi_token(head_size: int, gqa_ratio: int, max_seqlen_q: int) -> tupl
     if tokens > max_cols:
         raise ValueError(f"max_seqlen_q: {max_seqlen_q} new tokens exceed the {max_cols} "
                          f"columns of multi-token decode at head size {head_size}")
-    group = max(g for g in range(1, PAGED_MAX_GROUP + 1)
-                if gqa_ratio % g == 0 and tokens * g <= max_cols)
-    return tokens, group
+    return tokens, paged_group(gqa_ratio, min(PAGED_MAX_GROUP, max_cols // tokens))
 
 
 # ---- paged (paged_attention / reshape_and_cache) -------------------------------------------------
@@ -337,8 +335,8 @@ PAGED_MAX_GROUP = 8
 PAGED_PARTITION_SIZES = (128, 256, 512, 1024)
 
 
-def paged_group(gqa_ratio: int) -> int:
-    return max(g for g in range(1, PAGED_MAX_GROUP + 1) if gqa_ratio % g == 0)
+def paged_group(gqa_ratio: int, limit: int = PAGED_MAX_GROUP) -> int:
+    return max(g for g in range(1, limit + 1) if gqa_ratio % g == 0)
 
 
 # Two forms of the kernel (cuattn/paged/forms.py). The tensor-core form (cuda_src/

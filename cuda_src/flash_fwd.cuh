@@ -220,7 +220,7 @@ struct KVSource {
         const bool ok = key < sk && fc < real_fc;
         const long long blk = ok ? block_of(key) : 0;
         const C* kp = k + blk * p.k_stride_block + slot_of(key) * p.k_stride_row +
-                      fc * (Tr::V_BY_DIM ? p.k_stride_chunk : 16);
+                      fc * (Tr::KV == kKvPagedVllm ? p.k_stride_chunk : 16);   // x = 16
         cp_async_16(k8 + c * 16, ok ? kp : k, ok ? 16 : 0);
         if constexpr (!Tr::V_BY_DIM) {
           const C* vp = v + blk * p.v_stride_block + slot_of(key) * p.v_stride_row + fc * 16;
@@ -377,7 +377,7 @@ struct KVSource {
         if (it == 0 || slot_of(key) == 0) {
           const long long blk = key < sk ? block_of(key) : 0;
           kp = k + blk * p.k_stride_block + slot_of(key) * p.k_stride_row + chunk;
-          vp = v + blk * p.v_stride_block + slot_of(key) * p.v_stride_row + ld_ch * 8;
+          vp = v + blk * p.v_stride_block + slot_of(key) * p.v_stride_row + chunk;
         }
         const u32 off = swizzled_offset<D_CHUNKS>(r0 + it, ld_ch);
         if (do_k) cp_async_16(sk_base + off, ok ? kp : k, ok ? 16 : 0);

@@ -127,7 +127,7 @@ __device__ void paged_attention_mma_kernel(const PagedParams& p) {
 
   const PagedRange range = paged_range<BLOCK_SIZE, Tr::PARTITION_SIZE>(p, seq, part);
   if (V2 && range.start >= range.seq_len) return;   // the reduce never reads this partition
-  const int start_tok_all = range.start, end_tok = range.end;
+  const int end_tok = range.end;
   // Column c is query token c / GROUP at position seq_len - q_len + c / GROUP; it sees keys
   // [pos - window_left, pos + window_right] of the range (decode: right is 0). A column past
   // the sequence's tokens sees none.
@@ -136,7 +136,7 @@ __device__ void paged_attention_mma_kernel(const PagedParams& p) {
   // chunks are 8 tokens of one block) and the select below masks the keys before each
   // column's bound.
   const int win_start = max(0, q_pos(0) - p.window_left);
-  const int start_tok = max(start_tok_all, win_start / TILE * TILE);
+  const int start_tok = max(range.start, win_start / TILE * TILE);
   const int num_tiles = (end_tok - start_tok + TILE - 1) / TILE;
   const int my_tiles = num_tiles > warp ? (num_tiles - warp + NUM_WARPS - 1) / NUM_WARPS : 0;
   const int* block_table = static_cast<const int*>(p.block_tables) + seq * p.bt_stride_seq;

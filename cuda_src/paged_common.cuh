@@ -27,28 +27,27 @@ __device__ __forceinline__ PagedRange paged_range(const PagedParams& p, int seq,
 
 // The epilogue: v1 writes out (T) and lse; v2 writes the normalised fp32 partial output
 // and its lse into tmp_out / tmp_lse, row (query row, head), slot part, for the reduce
-// kernel. The query row is the sequence in decode, cu_seqlens_q[seq] + token in
-// multi-token decode.
+// kernel.
 template <typename T, int HEAD_SIZE, bool V2>
 struct PagedOutput {
   const PagedParams& p;
-  int seq, head0, part;   // seq: the query row
+  int qrow, head0, part;   // qrow: the sequence (decode) or cu_seqlens_q[seq] + token
 
   __device__ __forceinline__ void store(int h, int d, float value) const {
     if (V2) {
-      const long long row = (long long)seq * p.num_heads + head0 + h;
+      const long long row = (long long)qrow * p.num_heads + head0 + h;
       static_cast<float*>(p.tmp_out)[(row * p.max_parts + part) * HEAD_SIZE + d] = value;
     } else {
-      static_cast<T*>(p.out)[seq * p.out_stride_seq + (head0 + h) * p.out_stride_head + d] =
+      static_cast<T*>(p.out)[qrow * p.out_stride_seq + (head0 + h) * p.out_stride_head + d] =
           from_float<T>(value);
     }
   }
   __device__ __forceinline__ void store_lse(int h, float lse) const {
     if (V2) {
-      const long long row = (long long)seq * p.num_heads + head0 + h;
+      const long long row = (long long)qrow * p.num_heads + head0 + h;
       static_cast<float*>(p.tmp_lse)[row * p.max_parts + part] = lse;
     } else if (p.lse != nullptr) {
-      static_cast<float*>(p.lse)[(head0 + h) * p.lse_stride_head + seq * p.lse_stride_seq] = lse;
+      static_cast<float*>(p.lse)[(head0 + h) * p.lse_stride_head + qrow * p.lse_stride_seq] = lse;
     }
   }
 };

@@ -41,7 +41,12 @@ class ParamsStruct:
             unknown = sorted(values.keys() - set(self._names))
             missing = sorted(set(self._names) - values.keys())
             raise KeyError(f"{self.cpp_name}: missing fields {missing}, unknown {unknown}")
-        return np.array(tuple([values[n] for n in self._names]), dtype=self.dtype)[()]
+        # zeros first: the padding between and after fields is then zero too, so the same
+        # call packs the same bytes (np.array of a tuple left it uninitialised)
+        packed = np.zeros((), dtype=self.dtype)
+        for n in self._names:
+            packed[n] = values[n]
+        return packed[()]
 
     def pointer_names(self) -> tuple[str, ...]:
         return self._names[:self.num_pointers]

@@ -77,10 +77,15 @@ def auto_version(q_shape, cache_dtype, nheads_kv: int, block_size: int, max_bloc
     return version if version == "v1" else f"v2 p{ps}"
 
 
+def window_bound(side: int) -> int:
+    """A window side for PagedParams (window_left / window_right): -1 (unbounded) becomes
+    a value no position reaches."""
+    return _UNBOUNDED if side < 0 else min(side, _UNBOUNDED)
+
+
 def _window_left(window_size) -> int:
     """The kernels' window_left: keys j >= seq_len - 1 - window_left (right is moot)."""
-    left, _ = A.check_window(window_size)
-    return _UNBOUNDED if left < 0 else min(left, _UNBOUNDED)
+    return window_bound(A.check_window(window_size)[0])
 
 
 def _plan(arrays, softmax_scale, k_scale, v_scale, softcap, window_size, kv_layout, version,
@@ -202,10 +207,10 @@ def decode_launches(form, key_for, version: str, partition_size: int, v1, *, gri
     max_parts = max(1, -(-max_context // partition_size))
     tmp_out_bytes = rows * num_heads * max_parts * head_size * 4   # a multiple of 16
     tmp_lse_bytes = rows * num_heads * max_parts * 4
+    tail = PAGED_PARAMS.tail(max_parts=max_parts, logits_stride=form.logits_stride(key),
+                             **fields)   # (v2 writes tmp_out / tmp_lse: out strides unused)
     final = {n: fields[n] for n in ("out_stride_seq", "out_stride_head", "lse_stride_head",
                                     "lse_stride_seq")}
-    tail = PAGED_PARAMS.tail(max_parts=max_parts, logits_stride=form.logits_stride(key),
-                             **{**fields, **dict.fromkeys(final, 0)})
     rtail = PAGED_REDUCE_PARAMS.tail(**final, num_heads=num_heads, max_parts=max_parts,
                                      partition_size=partition_size, max_seq_len=max_context,
                                      num_seqs=fields["num_seqs"])

@@ -118,17 +118,24 @@ def _check_nhd_caches(k_cache, v_cache, q_dtype, head_size) -> CacheInfo:
         raise ValueError(f"k_cache: head_size {hs} differs from the query's {head_size}")
     if hs not in HEAD_SIZES:
         raise ValueError(f"k_cache: head_size {hs} is not supported; expected one of {HEAD_SIZES}")
-    if block_size not in NHD_BLOCK_SIZES:
-        raise ValueError(f"k_cache: block_size {block_size} is not supported for kv_layout "
-                         f"'nhd'; expected a power of two from 1 to 256")
+    _check_nhd_sizes(block_size, hs, k_cache.dtype, "k_cache", "k_cache")
     A.check_shape(v_cache, k_cache.shape, "v_cache", NHD_DOC)
-    if hs * k_cache.itemsize % 16:
-        raise ValueError(f"k_cache: head_size {hs} of {k_cache.dtype} is not a whole number of "
-                         "16-byte vectors (each token's row is written and read in them)")
     for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
         A.check_last_dim_contiguous(x, name)
         A.check_aligned(x, 16, name)      # each token's row is read in 16-byte vectors
     return CacheInfo(cache, nkv, hs, block_size, 16, "nhd")
+
+
+def _check_nhd_sizes(block_size: int, head_size: int, dtype, block_name: str,
+                     head_name: str) -> None:
+    """NHD: a power-of-two block of 1 to 256 slots, each head's row whole 16-byte vectors
+    (every token's row is written and read in them)."""
+    if block_size not in NHD_BLOCK_SIZES:
+        raise ValueError(f"{block_name}: block size {block_size} is not supported for "
+                         "kv_layout 'nhd'; expected a power of two from 1 to 256")
+    if head_size * np.dtype(dtype).itemsize % 16:
+        raise ValueError(f"{head_name}: head size {head_size} of {np.dtype(dtype)} is not a "
+                         "whole number of 16-byte vectors")
 
 
 def check_tables(block_tables, seq_lens, num_seqs: int) -> None:
@@ -171,12 +178,7 @@ def paged_kv_cache_shapes(num_blocks: int, nheads_kv: int, head_size: int, block
     if head_size not in HEAD_SIZES:
         raise ValueError(f"head_size: {head_size} is not supported; expected one of {HEAD_SIZES}")
     if kv_layout == "nhd":
-        if block_size not in NHD_BLOCK_SIZES:
-            raise ValueError(f"block_size: {block_size} is not supported for kv_layout 'nhd'; "
-                             "expected a power of two from 1 to 256")
-        if head_size * dt.itemsize % 16:
-            raise ValueError(f"head_size: {head_size} of {dt} is not a whole number of 16-byte "
-                             "vectors")
+        _check_nhd_sizes(block_size, head_size, dt, "block_size", "head_size")
         shape = (int(num_blocks), block_size, int(nheads_kv), head_size)
         return shape, shape
     if block_size not in BLOCK_SIZES:

@@ -26,7 +26,7 @@ from ..flash import _MAX_GRID_YZ, Call, _check_cu_seqlens, _check_options
 from ..flash import _plan as flash_plan
 from ..jit import device_info
 from ..variants import FEAT_ALIBI, FEAT_SINKS, FEAT_SOFTCAP, KV_PAGED_NHD, KV_PAGED_VLLM
-from .attention import _UNBOUNDED, decode_launches
+from .attention import decode_launches, window_bound
 from .forms import FORMS
 from .layout import HEAD_SIZES, check_caches, check_layout, check_scale, check_tables
 
@@ -109,6 +109,12 @@ def _plan(arrays, max_seqlen_q, causal, softmax_scale, window_size, softcap, k_s
     features, softcap = check_hooks(softcap, alibi_slopes, sinks, nheads, device_id)
     if out is not None:
         A.check_output(out, q.shape, q.dtype, "out", _Q_DOC, device_id, align=16)
+    if tuning.paged_prefill_form(info.cache, head_size, max_seqlen_q, total_q) == "decode":
+        return _decode_plan(q, info, block_tables, num_seqs, max_seqlen_q, dtype, features,
+                            softcap, softmax_scale, left, right, num_splits,
+                            cache_strides=info.strides(k_cache, v_cache),
+                            lse_shape=(nheads, total_q) if return_lse else None, out=out,
+                            num_args=len(arrays), kv_layout=kv_layout)
 
     os_ = A.element_strides_or_contiguous(out, q.shape)
     qs = A.element_strides(q)
@@ -130,11 +136,6 @@ def _plan(arrays, max_seqlen_q, causal, softmax_scale, window_size, softcap, k_s
         max_blocks_per_seq=max_blocks, seqlen_q=max(total_q, 1), seqlen_k=0, k_scale=k_scale,
         v_scale=v_scale, **cache)
     group = nheads // info.num_kv_heads
-    if tuning.paged_prefill_form(info.cache, head_size, max_seqlen_q, total_q) == "decode":
-        return _decode_plan(q, info, block_tables, num_seqs, max_seqlen_q, dtype, features,
-                            softcap, softmax_scale, left, right, num_splits, cache_strides=s,
-                            lse_shape=lse_shape if return_lse else None, out=out,
-                            num_args=len(arrays), kv_layout=kv_layout)
     arch = device_info(device_id).arch
 
     def variant_for(split: bool, mask: int):
@@ -201,8 +202,7 @@ def _decode_plan(q, info, block_tables, num_seqs, max_seqlen_q, dtype, features,
         q_stride_seq=qs[0], q_stride_head=qs[1], **cache_strides,
         bt_stride_seq=block_tables.strides[0] // 4, scale_log2=softmax_scale * A.LOG2E,
         v_scale=1.0, **hook_fields(softcap, 1 / A.LOG2E),
-        window_left=_UNBOUNDED if left < 0 else min(left, _UNBOUNDED),
-        window_right=_UNBOUNDED if right < 0 else min(right, _UNBOUNDED),
+        window_left=window_bound(left), window_right=window_bound(right),
         num_seqs=num_seqs, num_heads=nheads, gqa_ratio=gqa,
         max_blocks_per_seq=block_tables.shape[1], out_stride_seq=o_row, out_stride_head=o_head,
         lse_stride_head=l_head, lse_stride_seq=l_row)

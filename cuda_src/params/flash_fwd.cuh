@@ -17,6 +17,9 @@ namespace cuattn {
 //        key at block * k_stride_block + kvh * k_stride_head + c * k_stride_chunk
 //        + slot * k_stride_row (= 8); V (num_blocks, num_heads_kv, head_dim, block_size):
 //        dim d at block * v_stride_block + kvh * v_stride_head + d * v_stride_dim + slot.
+//   fp8 e4m3 caches (FlashFwdTraits FP8): the same in bytes, vLLM's K with 16 one-byte
+//        values per chunk ((num_blocks, num_heads_kv, head_dim / 16, block_size, 16),
+//        k_stride_row = 16); each value means e4m3 * k_scale (V: * v_scale).
 struct FlashFwdParams {
   const void* q;              // [batch, seqlen_q, num_heads, head_dim] T (varlen: [total_q, num_heads, head_dim])
   const void* k;              // [batch, seqlen_k, num_heads_kv, head_dim] T (varlen: [total_k, ...])
