@@ -18,7 +18,9 @@ Peers: SDPA forced to FLASH_ATTENTION ("FA2", PyTorch's bundled FlashAttention-2
 CUDNN_ATTENTION, on the same memory (DLPack, (B, H, S, D) views of the (B, S, H, D) arrays),
 each only where torch is importable and the backend accepts the shape (else empty cells).
 cuattn writes into a preallocated ``out=``; SDPA allocates its output (from torch's caching
-allocator). "cuattn/FA2" is cuattn's TFLOP/s over FA2's (> 1: cuattn is faster).
+allocator). "cuattn/FA2" is cuattn's TFLOP/s over FA2's (> 1: cuattn is faster). On sm_90
+"cuattn" is the wgmma kernel (the default there) and "cuattn-mma" the mma.sync kernel
+forced with tuning.override(flash_path="mma"), in the same run.
 The naive CuPy attention (materialised fp32 scores) allocates per call, so it is timed
 eager only, where its scores fit (seqlen <= 4096); it has no ratio column.
 """
@@ -31,6 +33,8 @@ import numpy as np
 
 import cuattn
 from bench import torch_peers
+from cuattn import tuning
+from cuattn.jit import arch_of_device
 from bench.harness import eager_ms, median_ms, randn
 
 SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
@@ -82,7 +86,9 @@ def _ratio(a, b):
 def run(ceilings, quick: bool) -> list[dict]:
     rows = []
     tt = torch_peers.load()
+    arch = arch_of_device(cupy.cuda.Device().id)
     for d, s in configs(quick):
+        two_paths = tuning.flash_path(arch, d) == "wgmma"
         q, k, v = standard_inputs(d, s)
         b, h = q.shape[0], q.shape[2]
         out = cupy.empty_like(q)
@@ -100,6 +106,12 @@ def run(ceilings, quick: bool) -> list[dict]:
             graph = {"cuattn": tflops(median_ms(call, graph=GRAPH_CALLS, n_warmup=2,
                                                 n_repeat=GRAPH_REPS))}
             eager = {"cuattn": tflops(eager_ms(call, calls=EAGER_CALLS, n_repeat=EAGER_REPS))}
+            if two_paths:   # the mma.sync kernel too, where the default is the wgmma one
+                with tuning.override(flash_path="mma"):
+                    graph["cuattn-mma"] = tflops(median_ms(call, graph=GRAPH_CALLS, n_warmup=2,
+                                                           n_repeat=GRAPH_REPS))
+                    eager["cuattn-mma"] = tflops(eager_ms(call, calls=EAGER_CALLS,
+                                                          n_repeat=EAGER_REPS))
             for name, backend in PEERS:
                 g_ms = e_ms = None
                 if views is not None:

@@ -77,7 +77,7 @@ def cmd_precompile(args) -> int:
         print(f"precompile: cannot store kernels in {cache.cache_dir()} ({exc}); "
               "set CUATTN_CACHE_DIR to a writable directory", file=sys.stderr)
         return 1
-    todo = variants.shipped(args.ops)
+    todo = variants.shipped(args.ops, arch.removesuffix("a"))
     compiled = failed = 0
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:   # NVRTC releases the GIL
         futures = {pool.submit(build, v, arch): v for v in todo}

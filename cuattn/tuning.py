@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
 from .variants import (FEAT_PACK_GQA, KV_DENSE, MASK_CAUSAL, MASK_NONE, MASK_WINDOW,
-                       FlashCombineVariant, FlashFwdVariant, MergeVariant, PagedMmaVariant,
+                       FlashCombineVariant, FlashFwdSm90Variant, FlashFwdVariant, MergeVariant, PagedMmaVariant,
                        PagedReduceVariant, PagedSimtVariant, ReshapeCacheVariant)
 
 # ---- overrides (sweeps and tests) ---------------------------------------------------------------
@@ -25,6 +25,8 @@ _OVERRIDE_KEYS = {
     "paged_form": '"mma" or "simt": the paged decode form, wherever that form can run',
     "paged_mma": "PagedMmaTiles of the tensor-core paged form",
     "prefill_form": '"decode" or "flash": paged_prefill\'s kernel, wherever that one can run',
+    "flash_path": '"wgmma" or "mma": the kernel of flash_forward / flash_varlen_forward',
+    "flash_sm90_tiles": "FlashSm90Tiles of the Hopper forward kernel",
 }
 _overrides: dict = {}
 
@@ -33,8 +35,9 @@ _overrides: dict = {}
 def override(**choices) -> Iterator[None]:
     """Force tuning choices for the calls made inside the block (sweeps and tests).
 
-    Keys: flash_tiles (FlashTiles), prefill_tiles (FlashTiles), paged_form ("mma" / "simt"),
-    paged_mma (PagedMmaTiles), prefill_form ("decode" / "flash").
+    Keys: flash_tiles (FlashTiles; implies the mma.sync path), prefill_tiles (FlashTiles),
+    paged_form ("mma" / "simt"), paged_mma (PagedMmaTiles), prefill_form ("decode" /
+    "flash"), flash_path ("wgmma" / "mma"), flash_sm90_tiles (FlashSm90Tiles).
     The launch plans cached so far are dropped on entry and on exit.
     """
     unknown = sorted(set(choices) - set(_OVERRIDE_KEYS))
@@ -42,6 +45,8 @@ def override(**choices) -> Iterator[None]:
         raise TypeError(f"override: unknown choice(s) {unknown}; known: {sorted(_OVERRIDE_KEYS)}")
     if choices.get("paged_form") not in (None, "mma", "simt"):
         raise ValueError(f"override: paged_form is 'mma' or 'simt', got {choices['paged_form']!r}")
+    if choices.get("flash_path") not in (None, "wgmma", "mma"):
+        raise ValueError(f"override: flash_path is 'wgmma' or 'mma', got {choices['flash_path']!r}")
     if choices.get("prefill_form") not in (None, "decode", "flash"):
         raise ValueError("override: prefill_form is 'decode' or 'flash', got "
                          f"{choices['prefill_form']!r}")
@@ -203,6 +208,56 @@ def flash_forward_variant(dtype: str, head_dim: int, *, mask: int, split: bool,
 def _flash_variant(dtype, hd, t, mask, split, kv, features, fp8=False) -> FlashFwdVariant:
     return FlashFwdVariant(dtype, hd, t.block_m, t.block_n, t.num_warps, t.stages, mask, split,
                            int(t.q_smem), bool(t.kv_split), int(t.softmax), kv, features, fp8)
+
+
+# ---- the Hopper forward kernel (cuda_src/flash_fwd_sm90.cuh, sm_90a) ----------------------------
+# flash_forward / flash_varlen_forward on sm_90 devices run the wgmma kernel for head dims
+# above 32 (compiled rounded up to a multiple of 64: its tiles are whole 128-byte column
+# blocks, and the tail columns are zero-filled on load and never stored); hd <= 32, and
+# every other architecture, run the mma.sync kernel above.
+@dataclass(frozen=True)
+class FlashSm90Tiles:
+    block_m: int      # 64 query rows per warpgroup
+    block_n: int
+    stages: int
+
+
+# Stage 1 (bench/NOTES.md "Hopper kernel"): first choices from the register report (sm_90a,
+# no spills) and shared memory, FlashAttention-3's shapes as the starting point.
+FLASH_SM90_TILES = {
+    64: FlashSm90Tiles(192, 128, 2),    # 163 regs (384 threads: <= 168), smem 89 KB
+    128: FlashSm90Tiles(128, 128, 2),   # 206-210 regs, smem 161 KB
+    192: FlashSm90Tiles(128, 64, 2),    # 210-239 regs (BN 96: 249-255, spills hooked), smem 145 KB
+    256: FlashSm90Tiles(128, 64, 2),    # 214-255 regs, smem 193 KB
+}
+FLASH_SM90_ARCH = "sm_90"
+
+
+def sm90_head_dim(head_dim: int) -> int:
+    """The head dim the Hopper kernel is compiled for: the real one rounded up to 64."""
+    return max(64, -(-head_dim // 64) * 64)
+
+
+def flash_path(arch: str, head_dim: int) -> str:
+    """"wgmma" (the Hopper kernel) or "mma" (mma.sync) for a device of ``arch`` and a real
+    head dim. Forced by override(flash_path=...), and to "mma" by override(flash_tiles=...)."""
+    forced = _overrides.get("flash_path")
+    if forced == "wgmma" and arch != FLASH_SM90_ARCH:
+        raise ValueError(f"override: flash_path 'wgmma' needs an sm_90 device, this is {arch}")
+    if forced is not None:
+        return forced
+    if "flash_tiles" in _overrides or arch != FLASH_SM90_ARCH or compiled_head_dim(head_dim) < 64:
+        return "mma"
+    return "wgmma"
+
+
+def flash_sm90_variant(dtype: str, head_dim: int, *, mask: int, split: bool,
+                       features: int = 0) -> FlashFwdSm90Variant:
+    """The Hopper forward kernel for a real head dim, a mask kind, split-KV or not, and the
+    call's FEAT_* bits."""
+    hd = sm90_head_dim(head_dim)
+    t = _overrides.get("flash_sm90_tiles") or FLASH_SM90_TILES[hd]
+    return FlashFwdSm90Variant(dtype, hd, t.block_m, t.block_n, t.stages, mask, split, features)
 
 
 # Split-KV combine: one warp per (token, head) row.
@@ -484,6 +539,9 @@ def _shipped_flash() -> list:
                     for split in (False, True):    # num_splits=0 splits small grids
                         out.append(flash_forward_variant(dt, hd, mask=mask, split=split,
                                                          arch=arch))
+            for mask in (MASK_NONE, MASK_CAUSAL):
+                for split in (False, True):
+                    out.append(flash_sm90_variant(dt, hd, mask=mask, split=split))
             out.append(flash_combine_variant(dt, hd))
     return out
 

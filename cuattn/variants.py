@@ -170,6 +170,63 @@ class FlashFwdVariant(Variant):
 
 
 @dataclass(frozen=True)
+class FlashFwdSm90Variant(Variant):
+    """The Hopper forward kernel (cuda_src/flash_fwd_sm90.cuh): wgmma, compiled for sm_90a."""
+    dtype: str            # f16 / bf16
+    head_dim: int         # compiled head dim (a multiple of 64)
+    block_m: int          # 64 query rows per warpgroup
+    block_n: int
+    stages: int
+    mask: int             # MASK_NONE / MASK_CAUSAL / MASK_WINDOW
+    split: bool           # write fp32 partials for the split-KV combine
+    features: int = 0     # FEAT_* bits but FEAT_PACK_GQA
+
+    op: ClassVar[str] = "flash_fwd_sm90"
+    header: ClassVar[str] = "flash_fwd_sm90.cuh"
+    kernel: ClassVar[str] = "flash_fwd_sm90_kernel"
+    traits: ClassVar[str] = "FlashFwdSm90Traits"
+    params: ClassVar[ParamsStruct] = FLASH_PARAMS
+    smem_from_traits: ClassVar[bool] = True
+
+    def __post_init__(self):
+        if self.mask not in _MASK_NAMES or not 0 <= self.features < 16 or \
+                self.features & FEAT_PACK_GQA or self.block_m % 64 or self.head_dim % 64:
+            raise ValueError(f"FlashFwdSm90Variant: mask 0 to 2 (got {self.mask}), features "
+                             f"without FEAT_PACK_GQA (got {self.features}), block_m and "
+                             f"head_dim multiples of 64 (got {self.block_m}, {self.head_dim})")
+
+    def name_parts(self):
+        features = tuple(name for bit, name in _FEATURE_NAMES if self.features & bit)
+        return (self.dtype, f"hd{self.head_dim}", f"bm{self.block_m}", f"bn{self.block_n}",
+                f"st{self.stages}", _MASK_NAMES[self.mask]) + \
+            (("split",) if self.split else ()) + features
+
+    def traits_args(self):
+        return (BY_SHORT[self.dtype].cpp, self.head_dim, self.block_m, self.block_n,
+                self.stages, self.mask, self.split, self.features)
+
+    @property
+    def num_threads(self) -> int:
+        return 128 * (self.block_m // 64)
+
+    @property
+    def min_blocks(self) -> int | None:
+        return 1
+
+    @property
+    def dynamic_smem_bytes(self) -> int:
+        # 1024 B of alignment slack + Q tile + STAGES x (K tile + V tile), 2-byte elements
+        # (pinned to Traits::SMEM_BYTES)
+        return 1024 + 2 * self.head_dim * (self.block_m + 2 * self.stages * self.block_n)
+
+    def target_arch(self, device_arch: str) -> str:
+        return "sm_90a"   # wgmma exists only in the arch-specific target
+
+    def runs_on(self, arch: str) -> bool:
+        return arch == "sm_90"
+
+
+@dataclass(frozen=True)
 class _CombineKey:
     """The key of a kernel that merges fp32 partial rows by their lse (split-KV's combine,
     paged v2's reduce), whose traits are <T, HEAD_DIM, NUM_THREADS, SINKS>; a Variant mixes
@@ -378,9 +435,10 @@ class ReshapeCacheVariant(Variant):
 
 # ---- the shipped set -------------------------------------------------------------------------------
 
-def shipped(ops: list[str] | None = None) -> list[Variant]:
+def shipped(ops: list[str] | None = None, arch: str | None = None) -> list[Variant]:
     """What ``python -m cuattn precompile`` builds: every variant a default call with a
-    shipped size reaches (cuattn.tuning.SHIPPED has the lists), for any architecture."""
+    shipped size reaches (cuattn.tuning.SHIPPED has the lists), for any architecture, or
+    (``arch``) those a device of that architecture can run."""
     from . import tuning
     ops = list(tuning.SHIPPED) if not ops else ops
     unknown = [op for op in ops if op not in tuning.SHIPPED]
@@ -389,4 +447,4 @@ def shipped(ops: list[str] | None = None) -> list[Variant]:
     out: dict[Variant, None] = {}
     for op in ops:
         out.update(dict.fromkeys(tuning.SHIPPED[op]()))
-    return list(out)
+    return [v for v in out if arch is None or v.runs_on(arch)]

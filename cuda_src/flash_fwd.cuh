@@ -534,6 +534,42 @@ struct WarpSoftmax {
     }
   }
 
+  // update() for a caller that rescales its accumulator later (the Hopper kernel, whose
+  // previous O += P V may still be in flight): P in place, the sums moved to the new row
+  // max, and alpha[mt][hr], the factor row (mt, hr)'s accumulator takes. Branch-free form.
+  template <bool MAY_BE_EMPTY>
+  __device__ __forceinline__ void update_scores(float (&s)[M_TILES][Tr::S_N_TILES][4],
+                                                float (&alpha)[M_TILES][2]) {
+    static_assert(Tr::BRANCH_FREE_RESCALE, "alpha for every row, every tile");
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt) {
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        SoftmaxState& st = row[mt][hr];
+        float mx = st.max;
+#pragma unroll
+        for (int nt = 0; nt < Tr::S_N_TILES; ++nt) {
+          mx = fmaxf(mx, fmaxf(s[mt][nt][2 * hr], s[mt][nt][2 * hr + 1]));
+        }
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float b = SoftmaxState::base<MAY_BE_EMPTY>(mx, scale);
+        alpha[mt][hr] = st.rescale(mx, scale, b);
+        float sum = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < Tr::S_N_TILES; ++nt) {
+#pragma unroll
+          for (int e = 2 * hr; e < 2 * hr + 2; ++e) {
+            const float pe = SoftmaxState::weight(s[mt][nt][e], scale, b);
+            s[mt][nt][e] = pe;
+            sum += pe;
+          }
+        }
+        st.sum += sum;
+      }
+    }
+  }
+
   // P of k16 step kk of m16 tile mt, packed to T: the A operand of O += P V.
   static __device__ __forceinline__ void pack_p(u32 (&pf)[4],
                                                 const float (&s)[M_TILES][Tr::S_N_TILES][4],

@@ -20,6 +20,7 @@ import pytest
 import cuattn
 from cuattn import tuning
 from tests.compiled import compile_reports, unclean
+from tests.paths import FLASH_PATHS, forced_flash_path
 from cuattn.tuning import FlashTiles
 from cuattn.variants import MASK_CAUSAL, MASK_NONE, MASK_WINDOW, FlashFwdVariant
 
@@ -159,6 +160,27 @@ def test_override_forces_tiles_and_restores_the_table():
     with pytest.raises(TypeError, match="override"):
         with tuning.override(flash_tile=forced):
             pass
+
+
+# ---- GPU: both kernels ---------------------------------------------------------------------------
+# Every GPU test of this module runs on both forward kernels: "mma" (mma.sync, every GPU)
+# and "wgmma" (the Hopper kernel, sm_90 devices only; skipped elsewhere). test_knobs forces
+# mma.sync tiles and runs once.
+
+def pytest_generate_tests(metafunc):
+    if metafunc.definition.get_closest_marker("gpu") is not None and \
+            metafunc.definition.originalname != "test_knobs":
+        metafunc.parametrize("flash_path", FLASH_PATHS, indirect=True)
+
+
+@pytest.fixture(autouse=True)
+def flash_path(request):
+    path = getattr(request, "param", None)
+    if path is None:
+        yield None
+        return
+    with forced_flash_path(path):
+        yield path
 
 
 # ---- references -------------------------------------------------------------------------------

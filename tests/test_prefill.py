@@ -19,6 +19,7 @@ import cuattn
 from cuattn import tuning
 from cuattn.variants import FEAT_ALIBI, FEAT_SINKS, FEAT_SOFTCAP, KV_PAGED_NHD, KV_PAGED_VLLM
 from tests.compiled import compile_reports, unclean
+from tests.paths import FLASH_PATHS, forced_flash_path
 from tests.reference import attention_reference, check_attention, merge_reference, tolerance
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -442,7 +443,8 @@ def test_nhd_reshape_and_cache_round_trip(rng):
 @pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)),
                                            (False, (50, 30))])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_flash_hooks(rng, which, causal, window, head_dim):
+@pytest.mark.parametrize("path", FLASH_PATHS)
+def test_flash_hooks(rng, which, causal, window, head_dim, path):
     import cupy as cp
     batch, sq, sk, nheads, nkv = 2, 77, 300, 4, 2
     q = rng.standard_normal((batch, sq, nheads, head_dim)).astype(BF16)
@@ -452,9 +454,10 @@ def test_flash_hooks(rng, which, causal, window, head_dim):
     dkw = {n: (cp.asarray(x) if isinstance(x, np.ndarray) else x) for n, x in kw.items()}
     scale = 1 / math.sqrt(head_dim)
     for num_splits in (1, 4):
-        out, lse = cuattn.flash_forward(cp.asarray(q), cp.asarray(k), cp.asarray(v),
-                                        causal=causal, window_size=window, return_lse=True,
-                                        num_splits=num_splits, **dkw)
+        with forced_flash_path(path):
+            out, lse = cuattn.flash_forward(cp.asarray(q), cp.asarray(k), cp.asarray(v),
+                                            causal=causal, window_size=window,
+                                            return_lse=True, num_splits=num_splits, **dkw)
         for bi in range(batch):
             ref, ref_lse = attention_reference(q[bi], k[bi], v[bi], scale, causal=causal,
                                                window=window, **_ref_kw(kw))
@@ -462,7 +465,8 @@ def test_flash_hooks(rng, which, causal, window, head_dim):
 
 
 @pytest.mark.gpu
-def test_flash_varlen_hooks_with_empty_sequences(rng):
+@pytest.mark.parametrize("path", FLASH_PATHS)
+def test_flash_varlen_hooks_with_empty_sequences(rng, path):
     import cupy as cp
     lens_q, lens_k, nheads, hd = [5, 0, 40, 1], [9, 0, 100, 0], 8, 128
     cu_q = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
@@ -472,9 +476,10 @@ def test_flash_varlen_hooks_with_empty_sequences(rng):
     v = rng.standard_normal((cu_k[-1], 2, hd)).astype(np.float16)
     kw = hook_values(rng, nheads, "softcap+alibi+sinks")
     dkw = {n: (cp.asarray(x) if isinstance(x, np.ndarray) else x) for n, x in kw.items()}
-    out, lse = cuattn.flash_varlen_forward(
-        cp.asarray(q), cp.asarray(k), cp.asarray(v), cp.asarray(cu_q), cp.asarray(cu_k),
-        max(lens_q), max(lens_k), causal=True, return_lse=True, **dkw)
+    with forced_flash_path(path):
+        out, lse = cuattn.flash_varlen_forward(
+            cp.asarray(q), cp.asarray(k), cp.asarray(v), cp.asarray(cu_q), cp.asarray(cu_k),
+            max(lens_q), max(lens_k), causal=True, return_lse=True, **dkw)
     refs = [attention_reference(q[cu_q[i]:cu_q[i + 1]], k[cu_k[i]:cu_k[i + 1]],
                                 v[cu_k[i]:cu_k[i + 1]], 1 / math.sqrt(hd), causal=True,
                                 **_ref_kw(kw)) for i in range(len(lens_q))]

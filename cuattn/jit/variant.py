@@ -56,6 +56,10 @@ class Variant:
         device's own, unless the kernel needs an arch-specific target such as ``sm_90a``."""
         return device_arch
 
+    def runs_on(self, arch: str) -> bool:
+        """Whether a device of ``arch`` can run the kernel (precompile skips the others)."""
+        return True
+
     # -- derived ------------------------------------------------------------------------
     @property
     def name(self) -> str:

@@ -1,0 +1,107 @@
+// Hopper (sm_90a) warpgroup plumbing: shared-memory matrix descriptors for 128-byte-
+// swizzled tiles, the wgmma fence / commit / wait, the proxy fence that orders ordinary
+// (and cp.async) writes to shared memory before the tensor cores read them, mbarriers (the
+// producer / consumer pipeline) and setmaxnreg. The instructions
+// are wrapped by common/wgmma_ops.cuh; layouts follow the PTX ISA ("Matrix Descriptor
+// Format", "Shared Memory Matrix Layout"), as CUTLASS's GmmaDescriptor and fast.cu encode them.
+#pragma once
+#include "wgmma_ops.cuh"
+
+namespace cuattn {
+
+using u64 = unsigned long long;
+
+// ---- 128-byte-swizzled tiles ----------------------------------------------------------------
+// A tile of ROWS rows x D 16-bit columns is stored as D / 64 column blocks, each ROWS rows of
+// 128 bytes (64 columns), and 16-byte chunk c of row r sits at chunk c ^ (r % 8) of its
+// row: the Swizzle<3,4,3> that wgmma's 128-byte mode expects of a 1024-byte-aligned tile.
+// The byte offset of 16-byte chunk `ch` (8 columns) of row r:
+template <int ROWS>
+__device__ __forceinline__ u32 sw128_offset(int r, int ch) {
+  return (ch / 8) * (ROWS * 128) + r * 128 + (((ch % 8) ^ (r % 8)) << 4);
+}
+
+// Descriptor of a 128-byte-swizzled operand starting at shared address `addr`:
+//   K-major (rows = M or N, 64 K columns per 128-byte row): SBO = 1024 (8-row groups),
+//     LBO unused (1); the k16 step s of a column block starts 32 s bytes in.
+//   MN-major (rows = K, the MN columns contiguous; B of O += P V with V as [key][dim]):
+//     SBO = 1024 (8-key groups), LBO = the bytes between 64-column blocks.
+__device__ __forceinline__ u64 sw128_desc(u32 addr, u32 lbo_bytes = 16) {
+  return (u64)((addr & 0x3FFFF) >> 4) | ((u64)(lbo_bytes >> 4) << 16) |
+         ((u64)(1024 >> 4) << 32) | (1ull << 62);
+}
+
+// ---- ordering --------------------------------------------------------------------------------
+// Before a wgmma whose accumulators (or register A) ordinary instructions wrote.
+__device__ __forceinline__ void wgmma_fence() {
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void wgmma_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+// Wait until at most N committed wgmma groups of this warpgroup are pending.
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" :: "n"(N) : "memory");
+}
+// Keep the compiler from moving reads or writes of accumulators across a wait: each register
+// is "rewritten" here, after the wait in program order.
+template <int R, int C>
+__device__ __forceinline__ void fence_regs(float (&d)[R][C]) {
+#pragma unroll
+  for (int i = 0; i < R; ++i) {
+#pragma unroll
+    for (int j = 0; j < C; ++j) asm volatile("" : "+f"(d[i][j]) :: "memory");
+  }
+}
+// Generic-proxy writes to shared memory (st.shared, cp.async) made visible to the async
+// proxy (wgmma, TMA): each writing thread, after its writes landed, before the barrier.
+__device__ __forceinline__ void fence_proxy_async() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// ---- mbarriers (PTX ISA "Parallel Synchronization and Communication: mbarrier") ------------
+// A barrier completes a phase when `count` arrivals have landed; waiters name the parity
+// of the phase they wait for (a fresh barrier counts its phase "-1", parity 1, as complete,
+// so a producer's first wait on an empty slot passes at once).
+__device__ __forceinline__ void mbar_init(u32 bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(bar), "r"(count) : "memory");
+}
+// Makes the barriers initialised by this thread visible to the others (before a barrier).
+__device__ __forceinline__ void fence_mbar_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+__device__ __forceinline__ void mbar_arrive(u32 bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" :: "r"(bar) : "memory");
+}
+// One arrival once every cp.async this thread issued so far has landed (the barrier's
+// count includes it: .noinc).
+__device__ __forceinline__ void cp_async_mbar_arrive(u32 bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" :: "r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(u32 bar, int parity) {
+  u32 done = 0;
+  do {
+    asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                 "selp.u32 %0, 1, 0, p;\n}\n"
+                 : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+  } while (!done);
+}
+
+// ---- registers and named barriers -------------------------------------------------------------
+// Move this warpgroup's register allocation to N per thread (every thread of the warpgroup
+// executes it; the kernel needs a register cap at entry: __launch_bounds__(threads, 1)).
+template <int N>
+__device__ __forceinline__ void setmaxnreg_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" :: "n"(N));
+}
+template <int N>
+__device__ __forceinline__ void setmaxnreg_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" :: "n"(N));
+}
+// Barrier `id` (1..15; 0 is __syncthreads) among `threads` threads (whole warps).
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" :: "r"(id), "r"(threads) : "memory");
+}
+
+}  // namespace cuattn
