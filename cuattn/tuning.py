@@ -225,7 +225,7 @@ class FlashSm90Tiles:
 # Stage 1 (bench/NOTES.md "Hopper kernel"): first choices from the register report (sm_90a,
 # no spills) and shared memory, FlashAttention-3's shapes as the starting point.
 FLASH_SM90_TILES = {
-    64: FlashSm90Tiles(192, 128, 2),    # 163 regs (384 threads: <= 168), smem 89 KB
+    64: FlashSm90Tiles(128, 128, 2),    # smem 97 KB (192 rows: 3 consumers at 152 regs spill)
     128: FlashSm90Tiles(128, 128, 2),   # 206-210 regs, smem 161 KB
     192: FlashSm90Tiles(128, 64, 2),    # 210-239 regs (BN 96: 249-255, spills hooked), smem 145 KB
     256: FlashSm90Tiles(128, 64, 2),    # 214-255 regs, smem 193 KB

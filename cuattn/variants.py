@@ -207,17 +207,18 @@ class FlashFwdSm90Variant(Variant):
 
     @property
     def num_threads(self) -> int:
-        return 128 * (self.block_m // 64)
+        return 128 * (1 + self.block_m // 64)     # a producer warpgroup + the consumers
 
     @property
     def min_blocks(self) -> int | None:
-        return 1
+        return 1      # a register cap at entry: setmaxnreg needs it
 
     @property
     def dynamic_smem_bytes(self) -> int:
-        # 1024 B of alignment slack + Q tile + STAGES x (K tile + V tile), 2-byte elements
-        # (pinned to Traits::SMEM_BYTES)
-        return 1024 + 2 * self.head_dim * (self.block_m + 2 * self.stages * self.block_n)
+        # 1024 B of alignment slack + Q tile + STAGES x (K tile + V tile), 2-byte elements,
+        # + the mbarriers (pinned to Traits::SMEM_BYTES)
+        return 1024 + 2 * self.head_dim * (self.block_m + 2 * self.stages * self.block_n) + \
+            8 * (1 + 4 * self.stages)
 
     def target_arch(self, device_arch: str) -> str:
         return "sm_90a"   # wgmma exists only in the arch-specific target
