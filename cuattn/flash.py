@@ -290,11 +290,8 @@ def _plan(c: Call) -> Plan:
     def variant_for(split: bool):
         if c.variant_for is not None:
             return c.variant_for(split, mask)
-        if tuning.flash_path(arch, head_dim) == "wgmma":
-            return tuning.flash_sm90_variant(c.dtype.short, head_dim, mask=mask, split=split,
-                                             features=c.features)
-        return tuning.flash_forward_variant(c.dtype.short, head_dim, mask=mask, split=split,
-                                            arch=arch, features=c.features)
+        return tuning.flash_kernel_variant(c.dtype.short, head_dim, mask=mask, split=split,
+                                           arch=arch, features=c.features)
     base = variant_for(False)
     rows = c.max_sq * c.pack
     m_blocks = -(-rows // base.block_m)

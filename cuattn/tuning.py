@@ -13,7 +13,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
-from .variants import (FEAT_PACK_GQA, KV_DENSE, MASK_CAUSAL, MASK_NONE, MASK_WINDOW,
+from .variants import (FEAT_PACK_GQA, KV_DENSE, MASK_CAUSAL, MASK_NONE, MASK_WINDOW, SM90_ARCH,
                        FlashCombineVariant, FlashFwdSm90Variant, FlashFwdVariant, MergeVariant, PagedMmaVariant,
                        PagedReduceVariant, PagedSimtVariant, ReshapeCacheVariant)
 
@@ -222,15 +222,20 @@ class FlashSm90Tiles:
     stages: int
 
 
-# Stage 1 (bench/NOTES.md "Hopper kernel"): first choices from the register report (sm_90a,
-# no spills) and shared memory, FlashAttention-3's shapes as the starting point.
+# Two consumer warpgroups (128 rows) everywhere: one is 35-40% slower, three spill at their
+# 152 registers. MEASURED on the H200 at hd 64 / 128 / 256 (bench/lab/flash_sm90_sweep.py,
+# bf16, TFLOP/s at S 2048 / 8192, full; bench/NOTES.md "Hopper kernel"):
+#   hd64:  128x128x2 354/369  128x128x3 347/369  128x176x2 325/356  128x64x3 306/321
+#   hd128: 128x128x2 408/440  128x176x2 378/408  128x64x3 385/397   128x96x2 369/393
+#   hd256: 128x64x2 440/445   128x80x2 406/425   128x48x2 390/407   64x64x3 270/281
+# hd192 is a first guess (BN 96 spilled in the hooked forms of stage 1).
 FLASH_SM90_TILES = {
-    64: FlashSm90Tiles(128, 128, 2),    # smem 97 KB (192 rows: 3 consumers at 152 regs spill)
-    128: FlashSm90Tiles(128, 128, 2),   # 206-210 regs, smem 161 KB
-    192: FlashSm90Tiles(128, 64, 2),    # 210-239 regs (BN 96: 249-255, spills hooked), smem 145 KB
-    256: FlashSm90Tiles(128, 64, 2),    # 214-255 regs, smem 193 KB
+    64: FlashSm90Tiles(128, 128, 2),    # smem 97 KB
+    128: FlashSm90Tiles(128, 128, 2),   # smem 161 KB
+    192: FlashSm90Tiles(128, 64, 2),    # smem 145 KB
+    256: FlashSm90Tiles(128, 64, 2),    # smem 193 KB
 }
-FLASH_SM90_ARCH = "sm_90"
+FLASH_SM90_ARCH = SM90_ARCH
 
 
 def sm90_head_dim(head_dim: int) -> int:
@@ -258,6 +263,16 @@ def flash_sm90_variant(dtype: str, head_dim: int, *, mask: int, split: bool,
     hd = sm90_head_dim(head_dim)
     t = _overrides.get("flash_sm90_tiles") or FLASH_SM90_TILES[hd]
     return FlashFwdSm90Variant(dtype, hd, t.block_m, t.block_n, t.stages, mask, split, features)
+
+
+def flash_kernel_variant(dtype: str, head_dim: int, *, mask: int, split: bool, arch: str,
+                         features: int = 0):
+    """The kernel of a dense flash_forward / flash_varlen_forward call: the Hopper one where
+    flash_path picks it, else the mma.sync one."""
+    if flash_path(arch, head_dim) == "wgmma":
+        return flash_sm90_variant(dtype, head_dim, mask=mask, split=split, features=features)
+    return flash_forward_variant(dtype, head_dim, mask=mask, split=split, arch=arch,
+                                 features=features)
 
 
 # Split-KV combine: one warp per (token, head) row.

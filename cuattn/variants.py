@@ -99,6 +99,15 @@ _FEATURE_NAMES = ((FEAT_SOFTCAP, "cap"), (FEAT_ALIBI, "alibi"), (FEAT_SINKS, "si
                   (FEAT_PACK_GQA, "gqa"))
 
 
+def _feature_parts(features: int) -> tuple[str, ...]:
+    """The name parts of a flash kernel's FEAT_* bits."""
+    return tuple(name for bit, name in _FEATURE_NAMES if features & bit)
+
+
+# The architecture of the Hopper forward kernel (sm_90a machine code runs on sm_90 only).
+SM90_ARCH = "sm_90"
+
+
 # ---- flash (cuda_src/flash_fwd.cuh) -------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -141,9 +150,8 @@ class FlashFwdVariant(Variant):
         qs = {0: (), 1: ("qs",)}.get(self.q_smem, (f"qs{self.q_smem}",))
         knobs = qs + (("kvs",) if self.kv_split else ()) + \
             ((f"sm{self.softmax}",) if self.softmax else ())
-        features = tuple(name for bit, name in _FEATURE_NAMES if self.features & bit)
         return parts + knobs + (("split",) if self.split else ()) + _KV_NAMES[self.kv] + \
-            (("e4m3",) if self.fp8 else ()) + features
+            (("e4m3",) if self.fp8 else ()) + _feature_parts(self.features)
 
     def traits_args(self):
         return (BY_SHORT[self.dtype].cpp, self.head_dim, self.block_m, self.block_n,
@@ -196,10 +204,9 @@ class FlashFwdSm90Variant(Variant):
                              f"head_dim multiples of 64 (got {self.block_m}, {self.head_dim})")
 
     def name_parts(self):
-        features = tuple(name for bit, name in _FEATURE_NAMES if self.features & bit)
         return (self.dtype, f"hd{self.head_dim}", f"bm{self.block_m}", f"bn{self.block_n}",
                 f"st{self.stages}", _MASK_NAMES[self.mask]) + \
-            (("split",) if self.split else ()) + features
+            (("split",) if self.split else ()) + _feature_parts(self.features)
 
     def traits_args(self):
         return (BY_SHORT[self.dtype].cpp, self.head_dim, self.block_m, self.block_n,
@@ -224,7 +231,7 @@ class FlashFwdSm90Variant(Variant):
         return "sm_90a"   # wgmma exists only in the arch-specific target
 
     def runs_on(self, arch: str) -> bool:
-        return arch == "sm_90"
+        return arch == SM90_ARCH
 
 
 @dataclass(frozen=True)

@@ -466,6 +466,33 @@ __device__ __forceinline__ KeyTiles key_tiles(const typename Tr::Mask& mask, int
   return t;
 }
 
+// ---- the logits hook and the mask on one tile of scores --------------------------------------
+// Row (mt, hr) of this thread (rows g and g + 8 of m16 tile mt) is query row_of(mt, hr) (the
+// mask's row index) with logits hook hook_of(mt, hr); element e of its n8 tile nt is key
+// key0 + 8 nt + 2 t4 + e % 2. The hook on every score, then, on a boundary tile (masked),
+// -inf for keys past the sequence or outside the band.
+template <typename Tr, typename RowOf, typename HookOf>
+__device__ __forceinline__ void hook_and_mask(float (&s)[Tr::M_TILES][Tr::S_N_TILES][4],
+                                              bool masked, int key0, int t4,
+                                              const typename Tr::Mask& mask, int sk,
+                                              RowOf row_of, HookOf hook_of) {
+  if (Tr::Logits::ACTIVE || masked) {
+#pragma unroll
+    for (int mt = 0; mt < Tr::M_TILES; ++mt) {
+#pragma unroll
+      for (int nt = 0; nt < Tr::S_N_TILES; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int i = row_of(mt, e / 2);
+          const int j = key0 + nt * 8 + 2 * t4 + (e % 2);
+          if (Tr::Logits::ACTIVE) s[mt][nt][e] = hook_of(mt, e / 2)(s[mt][nt][e], i + mask.diag, j);
+          if (masked && !mask.visible(i, j, sk)) s[mt][nt][e] = neg_inf();
+        }
+      }
+    }
+  }
+}
+
 // ---- online softmax of a warp's rows ---------------------------------------------------------
 // Rows (mt, g) and (mt, g + 8) of this thread, in raw-score units (scale = scale_log2);
 // each state's sum is this thread's part (its columns only), added over the quad in finish().
@@ -495,13 +522,7 @@ struct WarpSoftmax {
 #pragma unroll
       for (int hr = 0; hr < 2; ++hr) {
         SoftmaxState& st = row[mt][hr];
-        float mx = st.max;
-#pragma unroll
-        for (int nt = 0; nt < Tr::S_N_TILES; ++nt) {
-          mx = fmaxf(mx, fmaxf(s[mt][nt][2 * hr], s[mt][nt][2 * hr + 1]));
-        }
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float mx = row_max(s, mt, hr);
         const float b = SoftmaxState::base<MAY_BE_EMPTY>(mx, scale);
         // Branch-free: alpha = 1 exactly when the max stayed (the same product twice), 0
         // from -inf. Otherwise only a row whose max moved (from -inf or up, so to a finite
@@ -515,17 +536,7 @@ struct WarpSoftmax {
             o_acc[mt][nt][2 * hr + 1] *= alpha;
           }
         }
-        float sum = 0.f;
-#pragma unroll
-        for (int nt = 0; nt < Tr::S_N_TILES; ++nt) {
-#pragma unroll
-          for (int e = 2 * hr; e < 2 * hr + 2; ++e) {
-            const float pe = SoftmaxState::weight(s[mt][nt][e], scale, b);
-            s[mt][nt][e] = pe;
-            sum += pe;
-          }
-        }
-        st.sum += sum;
+        st.sum += row_exp(s, mt, hr, b);
       }
       if constexpr (Tr::EARLY_PACK) {
 #pragma unroll
@@ -546,28 +557,40 @@ struct WarpSoftmax {
 #pragma unroll
       for (int hr = 0; hr < 2; ++hr) {
         SoftmaxState& st = row[mt][hr];
-        float mx = st.max;
-#pragma unroll
-        for (int nt = 0; nt < Tr::S_N_TILES; ++nt) {
-          mx = fmaxf(mx, fmaxf(s[mt][nt][2 * hr], s[mt][nt][2 * hr + 1]));
-        }
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float mx = row_max(s, mt, hr);
         const float b = SoftmaxState::base<MAY_BE_EMPTY>(mx, scale);
         alpha[mt][hr] = st.rescale(mx, scale, b);
-        float sum = 0.f;
-#pragma unroll
-        for (int nt = 0; nt < Tr::S_N_TILES; ++nt) {
-#pragma unroll
-          for (int e = 2 * hr; e < 2 * hr + 2; ++e) {
-            const float pe = SoftmaxState::weight(s[mt][nt][e], scale, b);
-            s[mt][nt][e] = pe;
-            sum += pe;
-          }
-        }
-        st.sum += sum;
+        st.sum += row_exp(s, mt, hr, b);
       }
     }
+  }
+
+  // The two halves of a row's update: its new max over this tile (this thread's columns,
+  // then the quad's), and P = exp2(scale * S - b) in place with this thread's part of the
+  // row sum.
+  __device__ __forceinline__ float row_max(const float (&s)[M_TILES][Tr::S_N_TILES][4], int mt,
+                                           int hr) const {
+    float mx = row[mt][hr].max;
+#pragma unroll
+    for (int nt = 0; nt < Tr::S_N_TILES; ++nt) {
+      mx = fmaxf(mx, fmaxf(s[mt][nt][2 * hr], s[mt][nt][2 * hr + 1]));
+    }
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    return fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+  }
+  __device__ __forceinline__ float row_exp(float (&s)[M_TILES][Tr::S_N_TILES][4], int mt, int hr,
+                                           float b) const {
+    float sum = 0.f;
+#pragma unroll
+    for (int nt = 0; nt < Tr::S_N_TILES; ++nt) {
+#pragma unroll
+      for (int e = 2 * hr; e < 2 * hr + 2; ++e) {
+        const float pe = SoftmaxState::weight(s[mt][nt][e], scale, b);
+        s[mt][nt][e] = pe;
+        sum += pe;
+      }
+    }
+    return sum;
   }
 
   // P of k16 step kk of m16 tile mt, packed to T: the A operand of O += P V.
@@ -931,21 +954,10 @@ __device__ void flash_fwd_kernel(const FlashFwdParams& p) {
 
     // 3c. the logits hook, then (boundary tiles only) -inf for keys past the sequence or
     // outside the band
-    if (Tr::Logits::ACTIVE || masked) {
-#pragma unroll
-      for (int mt = 0; mt < M_TILES; ++mt) {
-#pragma unroll
-        for (int nt = 0; nt < Tr::S_N_TILES; ++nt) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int i = Tr::PACK_GQA ? packed_tok[mt][e / 2] : row_of(mt, e / 2);
-            const int j = tile * Tr::BLOCK_N + nt * 8 + 2 * t4 + (e % 2);
-            if (Tr::Logits::ACTIVE) s[mt][nt][e] = hook[mt][e / 2](s[mt][nt][e], i + mask.diag, j);
-            if (masked && !mask.visible(i, j, sk)) s[mt][nt][e] = neg_inf();
-          }
-        }
-      }
-    }
+    hook_and_mask<Tr>(
+        s, masked, tile * Tr::BLOCK_N, t4, mask, sk,
+        [&](int mt, int hr) { return Tr::PACK_GQA ? packed_tok[mt][hr] : row_of(mt, hr); },
+        [&](int mt, int hr) -> const typename Tr::Logits& { return hook[mt][hr]; });
 
     // 3d. online softmax in the exp2 domain (new row max by quad shuffles; O and the sums
     // rescaled; P = exp2(S * scale_log2 - base))

@@ -267,20 +267,10 @@ __device__ void flash_fwd_sm90_kernel(const FlashFwdParams& p) {
     // Step n's scores (landed): the logits hook, -inf outside the band / sequence on boundary
     // tiles, then the online softmax (P in place, alpha for the accumulator).
     auto softmax_step = [&](int n) {
-      const int tile = tiles.tile_of(n);
-      const bool masked = n < tiles.n_masked;
-      if (Tr::Logits::ACTIVE || masked) {
-#pragma unroll
-        for (int nt = 0; nt < Tr::S_N_TILES; ++nt) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int i = row0 + (e / 2) * 8;
-            const int j = tile * BN + nt * 8 + 2 * t4 + (e % 2);
-            if (Tr::Logits::ACTIVE) s_acc[0][nt][e] = hook(s_acc[0][nt][e], i + mask.diag, j);
-            if (masked && !mask.visible(i, j, sk)) s_acc[0][nt][e] = neg_inf();
-          }
-        }
-      }
+      hook_and_mask<Tr>(
+          s_acc, n < tiles.n_masked, tiles.tile_of(n) * BN, t4, mask, sk,
+          [&](int, int hr) { return row0 + hr * 8; },
+          [&](int, int) -> const typename Tr::Logits& { return hook; });
       // (MAY_BE_EMPTY: only a band can leave a visited row without keys; see flash_fwd.cuh)
       softmax.template update_scores<Tr::Mask::BAND>(s_acc, alpha);
     };

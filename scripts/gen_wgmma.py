@@ -25,26 +25,30 @@ def _dlist(n: int) -> str:
     return ", ".join(f"%{i}" for i in range(n // 2))
 
 
-def _ss(n: int, ptx_t: str) -> str:
+def _asm(n: int, ptx_t: str, a_inputs: list[str], flags: str) -> str:
+    """One wgmma asm statement: the N / 2 accumulators, then the A operand (a descriptor, or
+    four registers), B's descriptor and scale_d as inputs; `flags` are the immediates after
+    the scale-d predicate."""
     k = n // 2
+    a_ops = ", ".join(f"%{k + i}" for i in range(len(a_inputs)))
+    a_ops = a_ops if len(a_inputs) == 1 else "{" + a_ops + "}"
+    b_op, d_op = k + len(a_inputs), k + len(a_inputs) + 1
+    inputs = ", ".join(a_inputs + ['"l"(b)', '"r"(scale_d)'])
     return (f'    asm volatile(\n'
-            f'        "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{k + 2}, 0;\\n"\n'
+            f'        "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{d_op}, 0;\\n"\n'
             f'        "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx_t}.{ptx_t} "\n'
             f'        "{{{_dlist(n)}}}, "\n'
-            f'        "%{k}, %{k + 1}, p, 1, 1, 0, 0;\\n}}\\n"\n'
+            f'        "{a_ops}, %{b_op}, p, {flags};\\n}}\\n"\n'
             f'        : {_outs(n)}\n'
-            f'        : "l"(a), "l"(b), "r"(scale_d));\n')
+            f'        : {inputs});\n')
+
+
+def _ss(n: int, ptx_t: str) -> str:
+    return _asm(n, ptx_t, ['"l"(a)'], "1, 1, 0, 0")          # scale A, B; no transposes
 
 
 def _rs(n: int, ptx_t: str) -> str:
-    k = n // 2
-    return (f'    asm volatile(\n'
-            f'        "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{k + 5}, 0;\\n"\n'
-            f'        "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx_t}.{ptx_t} "\n'
-            f'        "{{{_dlist(n)}}}, "\n'
-            f'        "{{%{k}, %{k + 1}, %{k + 2}, %{k + 3}}}, %{k + 4}, p, 1, 1, 1;\\n}}\\n"\n'
-            f'        : {_outs(n)}\n'
-            f'        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d));\n')
+    return _asm(n, ptx_t, [f'"r"(a[{i}])' for i in range(4)], "1, 1, 1")   # B transposed
 
 
 def render() -> str:

@@ -607,11 +607,8 @@ def kernels_flash(p, arch):
     features = _features(p)
 
     def fwd(split):
-        if tuning.flash_path(arch, p["hd"]) == "wgmma":
-            return tuning.flash_sm90_variant(p["dtype"], p["hd"], mask=mask, split=split,
-                                             features=features)
-        return tuning.flash_forward_variant(p["dtype"], p["hd"], mask=mask, split=split,
-                                            arch=arch, features=features)
+        return tuning.flash_kernel_variant(p["dtype"], p["hd"], mask=mask, split=split,
+                                           arch=arch, features=features)
     tiles = -(-max_sk // fwd(False).block_n)
     extra = [fwd(True), tuning.flash_combine_variant(p["dtype"], p["hd"],
                                                      sinks=bool(features & FEAT_SINKS))]

@@ -1,9 +1,8 @@
 // Hopper (sm_90a) warpgroup plumbing: shared-memory matrix descriptors for 128-byte-
-// swizzled tiles, the wgmma fence / commit / wait, the proxy fence that orders ordinary
-// (and cp.async) writes to shared memory before the tensor cores read them, mbarriers (the
-// producer / consumer pipeline) and setmaxnreg. The instructions
-// are wrapped by common/wgmma_ops.cuh; layouts follow the PTX ISA ("Matrix Descriptor
-// Format", "Shared Memory Matrix Layout"), as CUTLASS's GmmaDescriptor and fast.cu encode them.
+// swizzled tiles, the wgmma fence / commit / wait, mbarriers (the producer / consumer
+// pipeline), setmaxnreg and named barriers. The instructions are wrapped by
+// common/wgmma_ops.cuh; layouts follow the PTX ISA ("Matrix Descriptor Format", "Shared
+// Memory Matrix Layout"), as CUTLASS's GmmaDescriptor and fast.cu encode them.
 #pragma once
 #include "wgmma_ops.cuh"
 
@@ -53,11 +52,6 @@ __device__ __forceinline__ void fence_regs(float (&d)[R][C]) {
 #pragma unroll
     for (int j = 0; j < C; ++j) asm volatile("" : "+f"(d[i][j]) :: "memory");
   }
-}
-// Generic-proxy writes to shared memory (st.shared, cp.async) made visible to the async
-// proxy (wgmma, TMA): each writing thread, after its writes landed, before the barrier.
-__device__ __forceinline__ void fence_proxy_async() {
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
 // ---- mbarriers (PTX ISA "Parallel Synchronization and Communication: mbarrier") ------------
