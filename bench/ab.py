@@ -57,8 +57,6 @@ ROUNDS = 3
 REPLAYS = {False: (2, 10), True: (3, 20)}     # flush -> (warm-up, timed) replays per round
 SPLIT_SHAPES = [  # (batch, seqlen_q, seqlen_k, heads), hd 128, causal: tuning.py's split cases
     (1, 1, 16384, 32), (4, 1, 16384, 32), (1, 64, 16384, 16)]
-VARLEN_LENGTHS = [3071, 2049, 1536, 1279, 1025, 1024, 1023, 896, 769, 767, 640, 513, 511,
-                  512, 385, 384]                  # 16 sequences, 16384 tokens
 MERGE_STATES = (4, 16384, 32, 128)                # states, tokens, heads, head size
 PRECOMPILE_TIMEOUT_S = 240
 
@@ -97,10 +95,11 @@ def split_cases(quick: bool) -> Iterator[Case]:
 
 
 def varlen_cases(quick: bool) -> Iterator[Case]:
-    total, h, d = sum(VARLEN_LENGTHS), 16, 128
-    cu = cupy.asarray(np.concatenate([[0], np.cumsum(VARLEN_LENGTHS)]), dtype=np.int32)
+    lengths = suite_flash.VARLEN_LENGTHS
+    total, h, d = sum(lengths), 16, 128
+    cu = cupy.asarray(np.concatenate([[0], np.cumsum(lengths)]), dtype=np.int32)
     q, k, v = (randn(total, h, d) for _ in range(3))
-    longest = max(VARLEN_LENGTHS)
+    longest = max(lengths)
     for causal in (False,) if quick else (False, True):
         def make(ca, causal=causal):
             out = cupy.empty_like(q)

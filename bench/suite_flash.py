@@ -23,6 +23,10 @@ allocator). "cuattn/FA2" is cuattn's TFLOP/s over FA2's (> 1: cuattn is faster).
 forced with tuning.override(flash_path="mma"), in the same run.
 The naive CuPy attention (materialised fp32 scores) allocates per call, so it is timed
 eager only, where its scores fit (seqlen <= 4096); it has no ratio column.
+Varlen rows (issue 12's target): flash_varlen_forward over 16 sequences of mixed lengths
+(VARLEN_LENGTHS, 16384 tokens, hd128, 16 heads) beside the dense call of the same total
+(batch 16 x seqlen 1024) in the same row, both in TFLOP/s of the work each does (the
+varlen FLOPs are 4 H D sum(len^2), halved for causal), cuattn only (SDPA has no varlen).
 """
 from __future__ import annotations
 
@@ -46,6 +50,8 @@ NAIVE_MAX_SCORE_BYTES = 8 << 30       # fp32 scores of the naive peer must stay 
 GRAPH_CALLS, GRAPH_REPS = 5, 20
 EAGER_CALLS, EAGER_REPS = 20, 5
 PEERS = (("FA2", "FLASH_ATTENTION"), ("cuDNN", "CUDNN_ATTENTION"))
+VARLEN_LENGTHS = (3071, 2049, 1536, 1279, 1025, 1024, 1023, 896, 769, 767, 640, 513, 511,
+                  512, 385, 384)                  # 16 sequences, 16384 tokens
 
 
 def configs(quick: bool) -> list[tuple[int, int]]:
@@ -133,4 +139,33 @@ def run(ceilings, quick: bool) -> list[dict]:
         if tt is not None:
             tt.torch.cuda.empty_cache()
         cupy.get_default_memory_pool().free_all_blocks()
+    rows += varlen_rows(quick)
+    return rows
+
+
+def varlen_rows(quick: bool) -> list[dict]:
+    total, h, d = sum(VARLEN_LENGTHS), 16, 128
+    n = len(VARLEN_LENGTHS)
+    cu = cupy.asarray(np.concatenate([[0], np.cumsum(VARLEN_LENGTHS)]), dtype=np.int32)
+    q, k, v = (randn(total, h, d) for _ in range(3))
+    dq, dk, dv = (x.reshape(n, total // n, h, d) for x in (q, k, v))
+    out = cupy.empty_like(q)
+    longest = max(VARLEN_LENGTHS)
+    rows = []
+    for causal in (False,) if quick else (False, True):
+        half = 2 if causal else 1
+        work = {"varlen": 4 * h * d * sum(x * x for x in VARLEN_LENGTHS) / half,
+                "dense": 4 * n * h * d * (total // n) ** 2 / half}
+        calls = {"varlen": lambda: cuattn.flash_varlen_forward(q, k, v, cu, cu, longest, longest,
+                                                               causal=causal, out=out),
+                 "dense": lambda: cuattn.flash_forward(dq, dk, dv, causal=causal,
+                                                       out=out.reshape(dq.shape))}
+        rates = {name: work[name] / median_ms(fn, graph=GRAPH_CALLS, n_warmup=2,
+                                              n_repeat=GRAPH_REPS) / 1e9
+                 for name, fn in calls.items()}
+        rows.append({"config": f"varlen hd{d} {n} seqs {total} tokens "
+                               f"{'causal' if causal else 'full'}",
+                     "cuattn TFLOP/s (graph)": rates["varlen"],
+                     f"dense B{n}xS{total // n} TFLOP/s (graph)": rates["dense"],
+                     "varlen/dense (graph)": rates["varlen"] / rates["dense"]})
     return rows

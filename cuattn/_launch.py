@@ -80,8 +80,10 @@ NULL = 0   # the pointer slot that holds a null pointer (Slots)
 
 @dataclass(frozen=True)
 class Launch:
-    """One kernel launch of a plan: ``kernel(grid, block, (params,))`` where params is the
-    struct whose leading pointers are the plan's slots ``slots`` and whose rest is ``tail``."""
+    """One kernel launch of a plan: ``kernel(grid, block, (params,) + extra(ptrs))`` where
+    params is the struct whose leading pointers are the plan's slots ``slots`` and whose rest
+    is ``tail``, and ``extra`` (None: nothing) gives the further arguments of a kernel with
+    extra_params (cuattn.jit.Variant) from the call's pointers."""
     kernel: object
     grid: tuple
     block: tuple
@@ -89,6 +91,7 @@ class Launch:
     dtype: np.dtype                   # the params struct
     slots: tuple[int, ...]            # one per leading pointer field
     tail: bytes
+    extra: object = None
     _pick: object = field(init=False, repr=False, compare=False)
     _pack: object = field(init=False, repr=False, compare=False)
 
@@ -246,8 +249,10 @@ def _run(plan: Plan, arrays: tuple, stream, ptrs: list):
             for off in plan.scratch:
                 ptrs.append(base + off)
         for launch in plan.launches:
-            launch.kernel(launch.grid, launch.block, (launch.params(ptrs),), stream=stream,
-                          shared_mem=launch.smem)
+            args = (launch.params(ptrs),)
+            if launch.extra is not None:
+                args += launch.extra(ptrs)
+            launch.kernel(launch.grid, launch.block, args, stream=stream, shared_mem=launch.smem)
     result = plan.result
     if not result:
         return None

@@ -15,12 +15,13 @@ import cupy
 import numpy as np
 
 from . import _arrays as A
-from . import tuning
+from . import _tma, tuning
 from ._dtypes import activation_dtype
 from ._hooks import check_hooks, hook_fields
 from ._launch import NULL, Launch, Plan, execute, plan_cache, plan_for, returns
 from .jit import device_info, get_kernel
-from .variants import FEAT_SINKS, FLASH_PARAMS, MASK_CAUSAL, MASK_NONE, MASK_WINDOW
+from .variants import (FEAT_SINKS, FLASH_PARAMS, MASK_CAUSAL, MASK_NONE, MASK_WINDOW,
+                       FlashFwdSm90Variant)
 
 MAX_HEAD_DIM = 256
 _MAX_GRID_YZ = 65535
@@ -166,7 +167,7 @@ def _fixed_plan(arrays, causal, softmax_scale, window_size, softcap, return_lse,
         args=dict(q=0, k=1, v=2, alibi_slopes=3, sinks=4), causal=bool(causal),
         softmax_scale=softmax_scale, left=left, right=right, num_splits=num_splits,
         features=features, softcap=softcap, batch=batch, max_sq=sq, max_sk=sk,
-        total_q=batch * sq, fields=fields))
+        total_q=batch * sq, fields=fields, qkv=(q, k, v)))
 
 
 def _varlen_plan(arrays, max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_size,
@@ -212,7 +213,8 @@ def _varlen_plan(arrays, max_seqlen_q, max_seqlen_k, causal, softmax_scale, wind
         args=dict(q=0, k=1, v=2, cu_seqlens_q=3, cu_seqlens_k=4, alibi_slopes=5, sinks=6),
         causal=bool(causal), softmax_scale=softmax_scale, left=left, right=right,
         num_splits=num_splits, features=features, softcap=softcap, batch=batch,
-        max_sq=max_seqlen_q, max_sk=max_seqlen_k, total_q=total_q, fields=fields))
+        max_sq=max_seqlen_q, max_sk=max_seqlen_k, total_q=total_q, fields=fields,
+        qkv=(q, k, v)))
 
 
 # ---- the plan -------------------------------------------------------------------------------
@@ -254,6 +256,8 @@ class Call:
     # block's rows
     variant_for: Callable[[bool, int], object] | None = None
     pack: int = 1
+    # flash_forward / flash_varlen_forward: (q, k, v), which the Hopper kernel may load by TMA
+    qkv: tuple | None = None
 
 
 def _mask_kind(causal: bool, left: int, right: int) -> int:
@@ -286,12 +290,14 @@ def _plan(c: Call) -> Plan:
 
     device = device_info(c.device_id)
     arch = device.arch
+    tma = c.qkv is not None and tuning.flash_path(arch, head_dim) == "wgmma" and \
+        _tma.encodable(c.dtype.short, c.qkv)
 
     def variant_for(split: bool):
         if c.variant_for is not None:
             return c.variant_for(split, mask)
         return tuning.flash_kernel_variant(c.dtype.short, head_dim, mask=mask, split=split,
-                                           arch=arch, features=c.features)
+                                           arch=arch, features=c.features, tma=tma)
     base = variant_for(False)
     rows = c.max_sq * c.pack
     m_blocks = -(-rows // base.block_m)
@@ -324,6 +330,11 @@ def _plan(c: Call) -> Plan:
     if split:
         slot_of.update(oaccum=slots.scratch(0), lseaccum=slots.scratch(1))
     ptr_slots = tuple(slot_of.get(n, NULL) for n in FLASH_PARAMS.pointer_names())
+    extra = None
+    if isinstance(variant, FlashFwdSm90Variant):     # it takes tensor maps (zeros: cp.async)
+        qkv_slots = (slot_of["q"], slot_of["k"], slot_of["v"])
+        extra = _tma.FlashMaps(c.dtype.short, *c.qkv, qkv_slots, variant.block_n) \
+            if variant.tma else _tma.no_maps
     fields = dict(k_stride_block=0, v_stride_block=0, k_stride_chunk=8, v_stride_dim=0,
                   bt_stride_seq=0, block_shift=0, max_blocks_per_seq=0, k_scale=1.0,
                   v_scale=1.0)
@@ -336,7 +347,7 @@ def _plan(c: Call) -> Plan:
     with cupy.cuda.Device(c.device_id):
         launches = [Launch(get_kernel(variant, c.device_id), (m_blocks, grid_y, c.batch * num_splits),
                            (variant.num_threads,), variant.dynamic_smem_bytes,
-                           FLASH_PARAMS.dtype, ptr_slots, tail)]
+                           FLASH_PARAMS.dtype, ptr_slots, tail, extra)]
         if split and c.total_q * nheads > 0:
             combine = tuning.flash_combine_variant(c.dtype.short, head_dim,
                                                    sinks=bool(c.features & FEAT_SINKS))
@@ -346,3 +357,4 @@ def _plan(c: Call) -> Plan:
                                    (combine.num_threads,), 0, FLASH_PARAMS.dtype, ptr_slots,
                                    tail))
     return Plan(**common, scratch=scratch, scratch_bytes=scratch_bytes, launches=tuple(launches))
+

@@ -13,7 +13,8 @@ import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
-from .variants import (FEAT_PACK_GQA, KV_DENSE, MASK_CAUSAL, MASK_NONE, MASK_WINDOW, SM90_ARCH,
+from .variants import (FEAT_ALIBI, FEAT_PACK_GQA, FEAT_SOFTCAP, KV_DENSE, MASK_CAUSAL, MASK_NONE,
+                       MASK_WINDOW, SM90_ARCH,
                        FlashCombineVariant, FlashFwdSm90Variant, FlashFwdVariant, MergeVariant, PagedMmaVariant,
                        PagedReduceVariant, PagedSimtVariant, ReshapeCacheVariant)
 
@@ -222,18 +223,29 @@ class FlashSm90Tiles:
     stages: int
 
 
-# Two consumer warpgroups (128 rows) everywhere: one is 35-40% slower, three spill at their
-# 152 registers. MEASURED on the H200 at hd 64 / 128 / 256 (bench/lab/flash_sm90_sweep.py,
-# bf16, TFLOP/s at S 2048 / 8192, full; bench/NOTES.md "Hopper kernel"):
-#   hd64:  128x128x2 354/369  128x128x3 347/369  128x176x2 325/356  128x64x3 306/321
-#   hd128: 128x128x2 408/440  128x176x2 378/408  128x64x3 385/397   128x96x2 369/393
-#   hd256: 128x64x2 440/445   128x80x2 406/425   128x48x2 390/407   64x64x3 270/281
+# Three consumer warpgroups (192 rows) at hd64, two (128 rows) at the others (three leave
+# 160 registers each: too few for O at hd128; one is 35-40% slower). MEASURED on the H200
+# with TMA loads (bench/lab/flash_sm90_sweep.py, bf16, TFLOP/s at S 2048 / 8192, full |
+# causal; bench/NOTES.md "Hopper kernel"):
+#   hd64:  192x128x2 432/455 | 343/431  192x128x3 423/461 | 339/428  128x128x2 372/400 | 308/376
+#          192x96x2 390/423 | 332/398   128x176x2 361/398 | 297/376
+#   hd128: 128x128x2 601/609 | 464/564  128x128x3 591/597 | 464/558  128x160x2 554/601 | 458/546
+#          192x80x2 560/587 | 459/542   192x64x2 543/540 | 446/505
+#   hd256: 128x80x2 676/686 | 521/601   128x64x2 560/663 | 503/570  128x48x3 515/548 | 451/481
 # hd192 is a first guess (BN 96 spilled in the hooked forms of stage 1).
 FLASH_SM90_TILES = {
-    64: FlashSm90Tiles(128, 128, 2),    # smem 97 KB
+    64: FlashSm90Tiles(192, 128, 2),    # smem 89 KB
     128: FlashSm90Tiles(128, 128, 2),   # smem 161 KB
     192: FlashSm90Tiles(128, 64, 2),    # smem 145 KB
-    256: FlashSm90Tiles(128, 64, 2),    # smem 193 KB
+    256: FlashSm90Tiles(128, 80, 2),    # smem 225 KB
+}
+# Forms that need more registers than those tiles leave them: a logits hook (softcap, ALiBi)
+# or a window (more per score: 12-56 B of spills at the tiles above), or the cp.async
+# producer (its 40 registers leave three consumers 152: spills). They take tiles where no
+# form spills (at hd256 128x64x2 spilled too, in causal ALiBi).
+FLASH_SM90_TILES_HEAVY = {
+    64: FlashSm90Tiles(128, 128, 2),
+    256: FlashSm90Tiles(128, 48, 3),    # smem 209 KB
 }
 FLASH_SM90_ARCH = SM90_ARCH
 
@@ -257,20 +269,25 @@ def flash_path(arch: str, head_dim: int) -> str:
 
 
 def flash_sm90_variant(dtype: str, head_dim: int, *, mask: int, split: bool,
-                       features: int = 0) -> FlashFwdSm90Variant:
-    """The Hopper forward kernel for a real head dim, a mask kind, split-KV or not, and the
-    call's FEAT_* bits."""
+                       features: int = 0, tma: bool = False) -> FlashFwdSm90Variant:
+    """The Hopper forward kernel for a real head dim, a mask kind, split-KV or not, the
+    call's FEAT_* bits, and whether its producer loads by TMA (a call whose Q / K / V tensor
+    maps describe, cuattn._tma.encodable) or by cp.async."""
     hd = sm90_head_dim(head_dim)
-    t = _overrides.get("flash_sm90_tiles") or FLASH_SM90_TILES[hd]
-    return FlashFwdSm90Variant(dtype, hd, t.block_m, t.block_n, t.stages, mask, split, features)
+    heavy = not tma or mask == MASK_WINDOW or features & (FEAT_SOFTCAP | FEAT_ALIBI)
+    t = _overrides.get("flash_sm90_tiles") or \
+        (FLASH_SM90_TILES_HEAVY if heavy else FLASH_SM90_TILES).get(hd, FLASH_SM90_TILES[hd])
+    return FlashFwdSm90Variant(dtype, hd, t.block_m, t.block_n, t.stages, mask, split, features,
+                               tma)
 
 
 def flash_kernel_variant(dtype: str, head_dim: int, *, mask: int, split: bool, arch: str,
-                         features: int = 0):
+                         features: int = 0, tma: bool = False):
     """The kernel of a dense flash_forward / flash_varlen_forward call: the Hopper one where
-    flash_path picks it, else the mma.sync one."""
+    flash_path picks it (by TMA where ``tma``), else the mma.sync one."""
     if flash_path(arch, head_dim) == "wgmma":
-        return flash_sm90_variant(dtype, head_dim, mask=mask, split=split, features=features)
+        return flash_sm90_variant(dtype, head_dim, mask=mask, split=split, features=features,
+                                  tma=tma)
     return flash_forward_variant(dtype, head_dim, mask=mask, split=split, arch=arch,
                                  features=features)
 
@@ -556,7 +573,8 @@ def _shipped_flash() -> list:
                                                          arch=arch))
             for mask in (MASK_NONE, MASK_CAUSAL):
                 for split in (False, True):
-                    out.append(flash_sm90_variant(dt, hd, mask=mask, split=split))
+                    # (the cp.async form, for strides no tensor map takes, compiles on use)
+                    out.append(flash_sm90_variant(dt, hd, mask=mask, split=split, tma=True))
             out.append(flash_combine_variant(dt, hd))
     return out
 

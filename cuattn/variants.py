@@ -188,12 +188,14 @@ class FlashFwdSm90Variant(Variant):
     mask: int             # MASK_NONE / MASK_CAUSAL / MASK_WINDOW
     split: bool           # write fp32 partials for the split-KV combine
     features: int = 0     # FEAT_* bits but FEAT_PACK_GQA
+    tma: bool = False     # the producer loads by TMA (tensor maps of Q / K / V), else cp.async
 
     op: ClassVar[str] = "flash_fwd_sm90"
     header: ClassVar[str] = "flash_fwd_sm90.cuh"
     kernel: ClassVar[str] = "flash_fwd_sm90_kernel"
     traits: ClassVar[str] = "FlashFwdSm90Traits"
     params: ClassVar[ParamsStruct] = FLASH_PARAMS
+    extra_params: ClassVar[tuple] = (("FlashTmaMaps", "maps"),)   # cuattn._tma.FlashMaps
     smem_from_traits: ClassVar[bool] = True
 
     def __post_init__(self):
@@ -205,12 +207,13 @@ class FlashFwdSm90Variant(Variant):
 
     def name_parts(self):
         return (self.dtype, f"hd{self.head_dim}", f"bm{self.block_m}", f"bn{self.block_n}",
-                f"st{self.stages}", _MASK_NAMES[self.mask]) + \
-            (("split",) if self.split else ()) + _feature_parts(self.features)
+                f"st{self.stages}") + (("tma",) if self.tma else ()) + \
+            (_MASK_NAMES[self.mask],) + (("split",) if self.split else ()) + \
+            _feature_parts(self.features)
 
     def traits_args(self):
         return (BY_SHORT[self.dtype].cpp, self.head_dim, self.block_m, self.block_n,
-                self.stages, self.mask, self.split, self.features)
+                self.stages, self.tma, self.mask, self.split, self.features)
 
     @property
     def num_threads(self) -> int:

@@ -2,8 +2,9 @@
 // (Dao 2023) in FlashAttention-3's form (Shah et al. 2024): S = Q K^T and O += P V on
 // wgmma.mma_async (Q and K from 128-byte-swizzled shared memory by descriptor, P from
 // registers as the A operand, V read transposed by its descriptor), warp-specialized: a
-// producer warpgroup copies Q and the K / V tiles into STAGES-deep rings guarded by
-// mbarriers, and 1-3 consumer warpgroups of 64 query rows each compute, with setmaxnreg
+// producer warpgroup loads Q and the K / V tiles into STAGES-deep rings guarded by
+// mbarriers (by TMA for dense Q / K / V, by cp.async for varlen and strides a tensor map
+// cannot describe), and 1-3 consumer warpgroups of 64 query rows each compute, with setmaxnreg
 // moving registers from the producer to them. Inside a consumer warpgroup the softmax of
 // tile n runs while O += P V of tile n-1 is in flight (intra-warpgroup overlap). The
 // consumers' accumulators have mma.sync's fragment layout, so the online softmax, the mask,
@@ -16,9 +17,10 @@ namespace cuattn {
 
 // Every knob of one sm_90a forward kernel (cuattn.variants.FlashFwdSm90Variant, chosen by
 // cuattn/tuning.py) and the constants derived from them. MASK, SPLIT and FEATURES mean what
-// they mean in FlashFwdTraits (kPackGqa excepted: dense K/V, one head per block).
-template <typename T_, int HEAD_DIM_, int BLOCK_M_, int BLOCK_N_, int STAGES_, int MASK_,
-          bool SPLIT_, int FEATURES_>
+// they mean in FlashFwdTraits (kPackGqa excepted: dense K/V, one head per block); TMA: the
+// producer loads by tensor map (FlashTmaMaps), else by cp.async.
+template <typename T_, int HEAD_DIM_, int BLOCK_M_, int BLOCK_N_, int STAGES_, bool TMA_,
+          int MASK_, bool SPLIT_, int FEATURES_>
 struct FlashFwdSm90Traits {
   using T = T_;
   using Mask = BandMask<MASK_>;
@@ -31,6 +33,7 @@ struct FlashFwdSm90Traits {
   static constexpr int BLOCK_M = BLOCK_M_;
   static constexpr int BLOCK_N = BLOCK_N_;
   static constexpr int STAGES = STAGES_;
+  static constexpr bool TMA = TMA_;
   static constexpr bool SPLIT = SPLIT_;
 
   // Warpgroup 0 produces; warpgroups 1 .. NUM_WG compute, 64 query rows each.
@@ -40,8 +43,10 @@ struct FlashFwdSm90Traits {
   static constexpr int THREADS = PRODUCER_THREADS + CONSUMER_THREADS;
   // setmaxnreg: the producer keeps PRODUCER_REGS, each consumer thread gets CONSUMER_REGS
   // (all within the 64K registers of the SM: 128 x (PRODUCER_REGS + NUM_WG x CONSUMER_REGS)).
-  static constexpr int PRODUCER_REGS = 40;
-  static constexpr int CONSUMER_REGS = NUM_WG == 3 ? 152 : 232;
+  // The TMA producer issues from one thread (24, the least setmaxnreg takes, would not hold
+  // its varlen cp.async edge copies: 32); the cp.async producer needs 40.
+  static constexpr int PRODUCER_REGS = TMA ? 32 : 40;
+  static constexpr int CONSUMER_REGS = NUM_WG == 3 ? (TMA ? 160 : 152) : 232;
   // What flash_fwd.cuh's parts read: each consumer warp owns one m16 tile of rows.
   static constexpr int WARP_M = 16;
   static constexpr int M_TILES = 1;
@@ -63,6 +68,11 @@ struct FlashFwdSm90Traits {
   static constexpr int KV_TILE_BYTES = BLOCK_N * HEAD_DIM * 2;
   static constexpr int BAR_BYTES = 8 * (1 + 4 * STAGES);
   static constexpr int SMEM_BYTES = 1024 + Q_BYTES + 2 * STAGES * KV_TILE_BYTES + BAR_BYTES;
+  // A full barrier's arrivals: the one TMA-issuing thread (its expect_tx carries the bytes),
+  // or every producer thread (cp.async.mbarrier.arrive once its copies landed).
+  static constexpr int FULL_ARRIVALS = TMA ? 1 : PRODUCER_THREADS;
+  // Named barriers: 1 + wg for consumer warpgroup wg's epilogue, this one for the producer's.
+  static constexpr int PRODUCER_BARRIER = 4;
   // The producer's copies: each thread takes one 16-byte column chunk of every
   // ROWS_PER_PASS-th row when a row's chunks divide the warpgroup (EVEN_ROWS); otherwise
   // chunk c of the tile goes to thread c % 128 (head dim 192).
@@ -126,11 +136,136 @@ __device__ __forceinline__ void copy_tile(u32 dst, const typename Tr::T* src, lo
   }
 }
 
+// The tensor maps of a dense call (cuattn/_tma.py encodes them per call): Q, K and V as 4-d
+// tensors (head dim, row, head, batch), 128-byte swizzle, boxes of 64 columns x 64 rows (Q)
+// or x BLOCK_N rows (K, V), out-of-bounds elements zero. Unused (zeros) by cp.async forms.
+struct FlashTmaMaps {
+  TmaDescriptor q, k, v;
+};
+
+// The pipeline's mbarriers (after the tiles in shared memory): Q full, then per stage K full,
+// K empty, V full, V empty.
+template <int STAGES>
+struct Sm90Barriers {
+  u32 base;
+  __device__ u32 q_full() const { return base; }
+  __device__ u32 k_full(int s) const { return base + 8 * (1 + s); }
+  __device__ u32 k_empty(int s) const { return base + 8 * (1 + STAGES + s); }
+  __device__ u32 v_full(int s) const { return base + 8 * (1 + 2 * STAGES + s); }
+  __device__ u32 v_empty(int s) const { return base + 8 * (1 + 3 * STAGES + s); }
+};
+
+// The TMA producer (the producer warpgroup, thread ptid; thread 0 issues every copy): Q,
+// then K_n and V_n of step n into stage n % STAGES once the consumers freed it; each box is
+// one 64-column block of a tile (the layout of copy_tile), each barrier expects its tile's
+// bytes (out-of-bounds zeros count too). Dense: the maps' bounds zero-fill rows past the
+// sequence. Varlen (the maps span every packed sequence, batch 1): rows past a sequence are
+// the next one's, harmless in Q (rows never stored) and K (keys masked by select) but not in
+// V, where P = 0 times a non-finite value would still poison the row; so a varlen V tile
+// crossing the sequence's end is copied by the whole warpgroup with cp.async, zero-filled,
+// and thread 0 arrives once every thread's copies landed.
+template <typename Tr>
+__device__ __forceinline__ void tma_produce(const FlashFwdParams& p, const FlashTmaMaps& maps,
+                                            const KeyTiles& tiles, Sm90Barriers<Tr::STAGES> bar,
+                                            u32 smem_q, u32 smem_k, u32 smem_v, int m0,
+                                            int head, int kvh, int b, SeqRange qr, SeqRange kr,
+                                            int ptid) {
+  using T = typename Tr::T;
+  constexpr int BN = Tr::BLOCK_N, COL_BLOCKS = Tr::HEAD_DIM / 64;
+  const bool varlen = p.cu_seqlens_k != nullptr;
+  if (!varlen && ptid != 0) return;
+  const int batch = varlen ? 0 : b;   // map coordinates: (column, row, head, batch)
+  if (ptid == 0) {
+    tma_prefetch(maps.q);
+    tma_prefetch(maps.k);
+    tma_prefetch(maps.v);
+    mbar_arrive_expect_tx(bar.q_full(), Tr::Q_BYTES);
+#pragma unroll
+    for (int wg = 0; wg < Tr::NUM_WG; ++wg) {
+#pragma unroll
+      for (int cb = 0; cb < COL_BLOCKS; ++cb) {
+        tma_load_4d(smem_q + wg * Tr::WG_Q_BYTES + cb * (64 * 128), maps.q, bar.q_full(),
+                    cb * 64, qr.start + m0 + wg * 64, head, batch);
+      }
+    }
+  }
+  // Keys key0 .. of K or V into `tile` (thread 0), once the consumers freed it (`empty`).
+  auto tma_tile = [&](u32 tile, const TmaDescriptor& map, u32 full, u32 empty, int phase,
+                      int key0) {
+    mbar_wait(empty, phase ^ 1);
+    mbar_arrive_expect_tx(full, Tr::KV_TILE_BYTES);
+#pragma unroll
+    for (int cb = 0; cb < COL_BLOCKS; ++cb) {
+      tma_load_4d(tile + cb * (BN * 128), map, full, cb * 64, kr.start + key0, kvh, batch);
+    }
+  };
+#pragma unroll 1
+  for (int n = 0; n < tiles.n_steps; ++n) {
+    const int s = n % Tr::STAGES, phase = (n / Tr::STAGES) & 1;
+    const int key0 = tiles.tile_of(n) * BN;
+    const u32 v_tile = smem_v + s * Tr::KV_TILE_BYTES;
+    if (ptid == 0) {
+      tma_tile(smem_k + s * Tr::KV_TILE_BYTES, maps.k, bar.k_full(s), bar.k_empty(s), phase, key0);
+    }
+    if (varlen && key0 + BN > kr.len) {
+      mbar_wait(bar.v_empty(s), phase ^ 1);
+      const T* v_ptr = static_cast<const T*>(p.v) + (long long)kr.start * p.v_stride_row +
+                       kvh * p.v_stride_head;
+      copy_tile<Tr, BN, BN>(v_tile, v_ptr, p.v_stride_row, key0, kr.len, p.head_dim / 8, ptid);
+      cp_async_commit();
+      cp_async_wait<0>();
+      fence_proxy_async();   // generic-proxy writes, read next by wgmma (the async proxy)
+      named_barrier_sync(Tr::PRODUCER_BARRIER, Tr::PRODUCER_THREADS);
+      if (ptid == 0) mbar_arrive(bar.v_full(s));
+    } else if (ptid == 0) {
+      tma_tile(v_tile, maps.v, bar.v_full(s), bar.v_empty(s), phase, key0);
+    }
+  }
+}
+
+// The cp.async producer (the whole producer warpgroup, thread ptid): the same loads by
+// copy_tile, rows past the sequence and columns past head_dim zero-filled; each thread
+// arrives on a full barrier once its copies of that tile landed.
+template <typename Tr>
+__device__ __forceinline__ void cp_async_produce(const FlashFwdParams& p, const KeyTiles& tiles,
+                                                 Sm90Barriers<Tr::STAGES> bar, u32 smem_q,
+                                                 u32 smem_k, u32 smem_v, int m0, int head,
+                                                 int kvh, int b, SeqRange qr, SeqRange kr,
+                                                 int ptid) {
+  using T = typename Tr::T;
+  constexpr int BN = Tr::BLOCK_N;
+  const int head_dim_chunks = p.head_dim / 8;
+  const T* q_ptr = static_cast<const T*>(p.q) + b * p.q_stride_batch +
+                   (long long)qr.start * p.q_stride_row + head * p.q_stride_head;
+  const T* k_ptr = static_cast<const T*>(p.k) + b * p.k_stride_batch +
+                   (long long)kr.start * p.k_stride_row + kvh * p.k_stride_head;
+  const T* v_ptr = static_cast<const T*>(p.v) + b * p.v_stride_batch +
+                   (long long)kr.start * p.v_stride_row + kvh * p.v_stride_head;
+  copy_tile<Tr, Tr::BLOCK_M, 64>(smem_q, q_ptr, p.q_stride_row, m0, qr.len, head_dim_chunks,
+                                 ptid);
+  cp_async_mbar_arrive(bar.q_full());
+#pragma unroll 1
+  for (int n = 0; n < tiles.n_steps; ++n) {
+    const int s = n % Tr::STAGES, phase = (n / Tr::STAGES) & 1;
+    const int key0 = tiles.tile_of(n) * BN;
+    mbar_wait(bar.k_empty(s), phase ^ 1);
+    copy_tile<Tr, BN, BN>(smem_k + s * Tr::KV_TILE_BYTES, k_ptr, p.k_stride_row, key0, kr.len,
+                          head_dim_chunks, ptid);
+    cp_async_mbar_arrive(bar.k_full(s));
+    mbar_wait(bar.v_empty(s), phase ^ 1);
+    copy_tile<Tr, BN, BN>(smem_v + s * Tr::KV_TILE_BYTES, v_ptr, p.v_stride_row, key0, kr.len,
+                          head_dim_chunks, ptid);
+    cp_async_mbar_arrive(bar.v_full(s));
+  }
+  cp_async_commit();
+  cp_async_wait<0>();   // nothing may still be writing shared memory when the block exits
+}
+
 // Grid, outputs and block order as flash_fwd_kernel; block: THREADS = 128 x (1 + NUM_WG).
 // Block (x, y, z) computes row tile (gridDim.x - 1 - x) of head y, batch z / num_splits,
 // over the key tiles of split z % num_splits.
 template <typename Tr>
-__device__ void flash_fwd_sm90_kernel(const FlashFwdParams& p) {
+__device__ void flash_fwd_sm90_kernel(const FlashFwdParams& p, const FlashTmaMaps& maps) {
   using T = typename Tr::T;
   constexpr int BN = Tr::BLOCK_N;
   constexpr int STAGES = Tr::STAGES;
@@ -139,12 +274,7 @@ __device__ void flash_fwd_sm90_kernel(const FlashFwdParams& p) {
   const u32 smem_q = (smem_addr(smem) + 1023u) & ~1023u;
   const u32 smem_k = smem_q + Tr::Q_BYTES;
   const u32 smem_v = smem_k + STAGES * Tr::KV_TILE_BYTES;
-  const u32 bars = smem_v + STAGES * Tr::KV_TILE_BYTES;
-  const u32 q_full = bars;
-  auto k_full = [&](int s) { return bars + 8 * (1 + s); };
-  auto k_empty = [&](int s) { return bars + 8 * (1 + STAGES + s); };
-  auto v_full = [&](int s) { return bars + 8 * (1 + 2 * STAGES + s); };
-  auto v_empty = [&](int s) { return bars + 8 * (1 + 3 * STAGES + s); };
+  const Sm90Barriers<STAGES> bar{smem_v + STAGES * Tr::KV_TILE_BYTES};
 
   const int tid = threadIdx.x;
 
@@ -165,13 +295,13 @@ __device__ void flash_fwd_sm90_kernel(const FlashFwdParams& p) {
   const int n_steps = tiles.n_steps;
 
   if (tid == 0) {
-    mbar_init(q_full, Tr::PRODUCER_THREADS);
+    mbar_init(bar.q_full(), Tr::FULL_ARRIVALS);
 #pragma unroll
     for (int s = 0; s < STAGES; ++s) {
-      mbar_init(k_full(s), Tr::PRODUCER_THREADS);
-      mbar_init(v_full(s), Tr::PRODUCER_THREADS);
-      mbar_init(k_empty(s), Tr::CONSUMER_THREADS);
-      mbar_init(v_empty(s), Tr::CONSUMER_THREADS);
+      mbar_init(bar.k_full(s), Tr::FULL_ARRIVALS);
+      mbar_init(bar.v_full(s), Tr::FULL_ARRIVALS);
+      mbar_init(bar.k_empty(s), Tr::CONSUMER_THREADS);
+      mbar_init(bar.v_empty(s), Tr::CONSUMER_THREADS);
     }
     fence_mbar_init();
   }
@@ -180,30 +310,13 @@ __device__ void flash_fwd_sm90_kernel(const FlashFwdParams& p) {
   // ---- the producer warpgroup: Q, then K_n and V_n into stage n % STAGES once free --------
   if (tid < Tr::PRODUCER_THREADS) {
     setmaxnreg_dec<Tr::PRODUCER_REGS>();
-    const T* q_ptr = static_cast<const T*>(p.q) + b * p.q_stride_batch +
-                     (long long)qr.start * p.q_stride_row + head * p.q_stride_head;
     const int kvh = head / p.head_group;
-    const T* k_ptr = static_cast<const T*>(p.k) + b * p.k_stride_batch +
-                     (long long)kr.start * p.k_stride_row + kvh * p.k_stride_head;
-    const T* v_ptr = static_cast<const T*>(p.v) + b * p.v_stride_batch +
-                     (long long)kr.start * p.v_stride_row + kvh * p.v_stride_head;
-    copy_tile<Tr, Tr::BLOCK_M, 64>(smem_q, q_ptr, p.q_stride_row, m0, sq, head_dim_chunks, tid);
-    cp_async_mbar_arrive(q_full);
-#pragma unroll 1
-    for (int n = 0; n < n_steps; ++n) {
-      const int s = n % STAGES, phase = (n / STAGES) & 1;
-      const int key0 = tiles.tile_of(n) * BN;
-      mbar_wait(k_empty(s), phase ^ 1);
-      copy_tile<Tr, BN, BN>(smem_k + s * Tr::KV_TILE_BYTES, k_ptr, p.k_stride_row, key0, sk,
-                            head_dim_chunks, tid);
-      cp_async_mbar_arrive(k_full(s));
-      mbar_wait(v_empty(s), phase ^ 1);
-      copy_tile<Tr, BN, BN>(smem_v + s * Tr::KV_TILE_BYTES, v_ptr, p.v_stride_row, key0, sk,
-                            head_dim_chunks, tid);
-      cp_async_mbar_arrive(v_full(s));
+    if constexpr (Tr::TMA) {
+      tma_produce<Tr>(p, maps, tiles, bar, smem_q, smem_k, smem_v, m0, head, kvh, b, qr, kr,
+                      tid);
+    } else {
+      cp_async_produce<Tr>(p, tiles, bar, smem_q, smem_k, smem_v, m0, head, kvh, b, qr, kr, tid);
     }
-    cp_async_commit();
-    cp_async_wait<0>();   // nothing may still be writing shared memory when the block exits
   } else {
 
     // ---- the consumer warpgroups --------------------------------------------------------------
@@ -247,7 +360,7 @@ __device__ void flash_fwd_sm90_kernel(const FlashFwdParams& p) {
     // S = Q K^T of step n into s_acc (issued, committed; the caller waits)
     auto issue_qk = [&](int n) {
       const int s = n % STAGES;
-      mbar_wait(k_full(s), (n / STAGES) & 1);
+      mbar_wait(bar.k_full(s), (n / STAGES) & 1);
 #pragma unroll
       for (int ks = 0; ks < Tr::QK_K_STEPS; ++ks) {
         Wgmma<T, BN>::ss(s_acc[0], q_desc(ks), k_desc(s, ks), ks > 0);
@@ -257,7 +370,7 @@ __device__ void flash_fwd_sm90_kernel(const FlashFwdParams& p) {
     // O += P V of step n (P in p_pack; issued, committed)
     auto issue_pv = [&](int n) {
       const int s = n % STAGES;
-      mbar_wait(v_full(s), (n / STAGES) & 1);
+      mbar_wait(bar.v_full(s), (n / STAGES) & 1);
 #pragma unroll
       for (int kk = 0; kk < Tr::PV_K_STEPS; ++kk) {
         Wgmma<T, Tr::HEAD_DIM>::rs(o_acc[0], p_pack[0][kk], v_desc(s, kk), 1);
@@ -281,13 +394,13 @@ __device__ void flash_fwd_sm90_kernel(const FlashFwdParams& p) {
 
     // ---- the key loop: S_n in flight with O += P_{n-1} V_{n-1}; softmax of S_n under the
     // latter; O rescaled once it has landed ------------------------------------------------------
-    mbar_wait(q_full, 0);
+    mbar_wait(bar.q_full(), 0);
     if (n_steps > 0) {
       wgmma_fence();
       issue_qk(0);
       wgmma_wait<0>();
       fence_regs(s_acc[0]);
-      mbar_arrive(k_empty(0));
+      mbar_arrive(bar.k_empty(0));
       softmax_step(0);
       pack_p();
 #pragma unroll 1
@@ -297,12 +410,12 @@ __device__ void flash_fwd_sm90_kernel(const FlashFwdParams& p) {
         issue_pv(n - 1);
         wgmma_wait<1>();   // S_n has landed
         fence_regs(s_acc[0]);
-        mbar_arrive(k_empty(n % STAGES));
+        mbar_arrive(bar.k_empty(n % STAGES));
         softmax_step(n);
         wgmma_wait<0>();   // O += P_{n-1} V_{n-1} has landed
         fence_regs(o_acc[0]);
         fence_regs(s_acc[0]);   // P_n is packed only now: p_pack may still feed the last wgmma
-        mbar_arrive(v_empty((n - 1) % STAGES));
+        mbar_arrive(bar.v_empty((n - 1) % STAGES));
 #pragma unroll
         for (int nt = 0; nt < Tr::O_N_TILES; ++nt) {
           o_acc[0][nt][0] *= alpha[0][0];
@@ -316,10 +429,10 @@ __device__ void flash_fwd_sm90_kernel(const FlashFwdParams& p) {
       issue_pv(n_steps - 1);
       wgmma_wait<0>();
       fence_regs(o_acc[0]);
-      mbar_arrive(v_empty((n_steps - 1) % STAGES));
+      mbar_arrive(bar.v_empty((n_steps - 1) % STAGES));
     }
     // This warpgroup's wgmmas have read its Q tile; the epilogue reuses it.
-    named_barrier_sync(1 + wg, 128);
+    named_barrier_sync(1 + wg, 128);   // (ids: see PRODUCER_BARRIER)
 
     // ---- whole rows, then the epilogue -----------------------------------------------------------
     constexpr bool FINISH_SINKS = Tr::SINKS && !Tr::SPLIT;

@@ -361,6 +361,53 @@ def test_strided_bhsd_views_and_scale(rng, hd):
 
 
 @pytest.mark.gpu
+def test_tma_and_cp_async_loads(rng, flash_path):
+    """The Hopper kernel loads Q / K / V by TMA where a tensor map describes them, by
+    cp.async where not (a negative or zero stride); fresh buffers of one signature get
+    their own maps (the plan is reused, its maps are not); varlen keeps its sequences apart."""
+    if flash_path != "wgmma":
+        pytest.skip("the Hopper kernel's two producers")
+    import cupy
+    from cuattn import _tma, flash
+
+    def kernel_loads_by_tma():
+        return isinstance(list(flash._plans.values())[-1].launches[0].extra, _tma.FlashMaps)
+
+    q = _randn(rng, (2, 77, 4, 96), BF16)
+    kb = _randn(rng, (2, 150, 2, 96), BF16)
+    vb = _randn(rng, (2, 150, 2, 96), BF16)
+    views = {"contiguous": (kb, vb, True), "keys reversed": (kb[:, ::-1], vb[:, ::-1], False),
+             "one batch broadcast": (cupy.broadcast_to(kb[:1], kb.shape),
+                                     cupy.broadcast_to(vb[:1], vb.shape), False)}
+    for name, (k, v, by_tma) in views.items():
+        flash._plans.clear()
+        out, lse = cuattn.flash_forward(q, k, v, causal=True, return_lse=True,
+                                        out=_poisoned(q.shape, BF16))
+        assert kernel_loads_by_tma() == by_tma, name
+        check_close(out, lse, q, cupy.ascontiguousarray(k), cupy.ascontiguousarray(v),
+                    causal=True)
+    for _ in range(2):                       # new buffers, the same plan
+        q2, k2, v2 = (_randn(rng, x.shape, BF16) for x in (q, kb, vb))
+        out = cuattn.flash_forward(q2, k2, v2, out=_poisoned(q.shape, BF16))
+        check_close(out, None, q2, k2, v2)
+    # varlen by TMA: a V tile crossing a sequence's end must not read the next sequence's
+    # rows (an inf there) nor the rows past the last one (NaN)
+    lens_q, lens_k = [77, 5, 130], [150, 3, 300]
+    q, k, v, cu_q, cu_k, dcu_q, dcu_k = _pack_varlen(rng, lens_q, lens_k, 4, 2, 128, BF16)
+    tail = _poisoned((40, 2, 128), BF16)
+    k, v = cupy.concatenate([k, tail]), cupy.concatenate([v, tail])
+    v[int(cu_k[1])] = np.inf
+    flash._plans.clear()
+    out, lse = cuattn.flash_varlen_forward(q, k, v, dcu_q, dcu_k, 130, 300, return_lse=True,
+                                           out=_poisoned(q.shape, BF16))
+    assert kernel_loads_by_tma()
+    for b in (0, 2):
+        qs, qe, ks, ke = cu_q[b], cu_q[b + 1], cu_k[b], cu_k[b + 1]
+        check_close(out[None, qs:qe], lse[None, :, qs:qe], q[None, qs:qe], k[None, ks:ke],
+                    v[None, ks:ke])
+
+
+@pytest.mark.gpu
 def test_seqlen_k_zero_and_no_key_rows(rng):
     import cupy
     q = _randn(rng, (1, 16, 2, 64), F16)

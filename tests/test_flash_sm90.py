@@ -28,25 +28,77 @@ def test_wgmma_header_is_the_generators_output():
     assert gen.HEADER.read_text() == gen.render(), "run python scripts/gen_wgmma.py"
 
 
-_FORMS = [(dt, hd, mask, split, features)
+# Every mask, split and hook combination of the TMA forms (what calls reach; the tile rule
+# gives hooked, windowed and cp.async forms their own tiles), and the cp.async forms without
+# and with every hook.
+_FORMS = [(dt, hd, mask, split, features, True)
           for hd in sorted(tuning.FLASH_SM90_TILES) for mask in (MASK_NONE, MASK_CAUSAL, MASK_WINDOW)
+          for split in (False, True) for features in range(8) for dt in ("bf16",)] + \
+         [(dt, hd, mask, split, features, False)
+          for hd in sorted(tuning.FLASH_SM90_TILES) for mask in (MASK_NONE, MASK_CAUSAL)
           for split in (False, True) for features in (0, HOOKS) for dt in ("bf16",)]
 
 
 @pytest.mark.slow
 def test_every_form_compiles_for_sm90a_without_spills():
-    forms = [tuning.flash_sm90_variant(dt, hd, mask=mask, split=split, features=f)
-             for dt, hd, mask, split, f in _FORMS]
-    forms.append(tuning.flash_sm90_variant("f16", 128, mask=MASK_CAUSAL, split=False))
+    forms = [tuning.flash_sm90_variant(dt, hd, mask=mask, split=split, features=f, tma=tma)
+             for dt, hd, mask, split, f, tma in _FORMS]
+    forms.append(tuning.flash_sm90_variant("f16", 128, mask=MASK_CAUSAL, split=False, tma=True))
     assert unclean(compile_reports(forms, "sm_90")) == []
 
 
-def test_tiles_fit_shared_memory_and_registers():
+def test_tma_forms_take_the_tensor_maps():
+    """Every Hopper form takes FlashTmaMaps after its params (zeros for cp.async forms), and
+    the TMA form's name says so."""
+    v = tuning.flash_sm90_variant("bf16", 128, mask=MASK_CAUSAL, split=False, tma=True)
+    assert v.name == "cuattn_flash_fwd_sm90__bf16_hd128_bm128_bn128_st2_tma_c1"
+    for form in (v, tuning.flash_sm90_variant("bf16", 128, mask=MASK_CAUSAL, split=False)):
+        src = form.source()
+        assert "const __grid_constant__ cuattn::FlashTmaMaps maps" in src
+        assert "flash_fwd_sm90_kernel<Traits>(params, maps);" in src
+    from cuattn import _tma
+    assert _tma.MAPS_DTYPE.itemsize == 3 * 128 and _tma.no_maps([])[0].tobytes() == bytes(384)
+    # the driver's enumerators, spelled by hand for the ctypes call
+    from cuda.bindings import driver as d
+    assert _tma.DATA_TYPE == {"f16": d.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+                              "bf16": d.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16}
+    assert (_tma.INTERLEAVE_NONE, _tma.SWIZZLE_128B, _tma.L2_PROMOTION_256B,
+            _tma.OOB_FILL_ZERO) == (d.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+                                    d.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+                                    d.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                                    d.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
+
+
+def test_tensor_map_rule_and_dims():
+    """fits(): positive strides below 2**40 bytes on every dimension longer than one; the map
+    of a (batch, rows, heads, head dim) view lists the dims innermost first, byte strides of
+    rows, heads, batch (16 where a dimension of one is never stepped), 64-column boxes."""
+    import numpy as np
+    from cuattn import _tma
+    x = np.zeros((2, 100, 8, 96), np.float16)
+    assert _tma.fits(x)
+    t = _tma._Tensor.of(x, 128)
+    assert t.dims == (96, 100, 8, 2) and t.strides == (8 * 96 * 2, 96 * 2, 100 * 8 * 96 * 2)
+    assert t.box == (64, 128, 1, 1)
+    view = np.zeros((1, 50, 3, 64), np.float16)[:, :, ::2]         # heads 0 and 2
+    assert _tma._Tensor.of(view, 64).strides == (3 * 64 * 2, 2 * 64 * 2, 16)
+    assert not _tma.fits(np.zeros((2, 9, 4, 64), np.float16)[:, ::-1])     # negative stride
+    assert not _tma.fits(np.broadcast_to(np.zeros((1, 9, 4, 64), np.float16), (3, 9, 4, 64)))
+    assert _tma.fits(np.broadcast_to(np.zeros((1, 9, 4, 64), np.float16), (1, 9, 4, 64)))
+
+
+def test_tiles_fit_shared_memory_and_the_heavy_rule():
     for hd, t in tuning.FLASH_SM90_TILES.items():
-        v = tuning.flash_sm90_variant("bf16", hd, mask=MASK_NONE, split=False)
-        assert v.dynamic_smem_bytes <= 227 * 1024, hd
-        assert v.num_threads * 168 <= 65536 or v.num_threads <= 256, hd
-        assert (v.block_m, v.block_n, v.stages) == (t.block_m, t.block_n, t.stages)
+        heavy = tuning.FLASH_SM90_TILES_HEAVY.get(hd, t)
+        for mask, features, tma, want in (
+                (MASK_NONE, 0, True, t), (MASK_CAUSAL, FEAT_SINKS, True, t),
+                (MASK_WINDOW, 0, True, heavy), (MASK_CAUSAL, FEAT_SOFTCAP, True, heavy),
+                (MASK_NONE, FEAT_ALIBI, True, heavy), (MASK_NONE, 0, False, heavy)):
+            v = tuning.flash_sm90_variant("bf16", hd, mask=mask, split=False, features=features,
+                                          tma=tma)
+            assert v.dynamic_smem_bytes <= 227 * 1024, hd
+            assert v.num_threads == 128 * (1 + v.block_m // 64) <= 512, hd
+            assert (v.block_m, v.block_n, v.stages) == (want.block_m, want.block_n, want.stages)
 
 
 def test_the_path_rule():

@@ -608,7 +608,7 @@ def kernels_flash(p, arch):
 
     def fwd(split):
         return tuning.flash_kernel_variant(p["dtype"], p["hd"], mask=mask, split=split,
-                                           arch=arch, features=features)
+                                           arch=arch, features=features, tma=True)   # (the strides a map takes)
     tiles = -(-max_sk // fwd(False).block_n)
     extra = [fwd(True), tuning.flash_combine_variant(p["dtype"], p["hd"],
                                                      sinks=bool(features & FEAT_SINKS))]

@@ -1,6 +1,6 @@
 """Lab: sweep the Hopper forward kernel's tiles (BLOCK_M, BLOCK_N, STAGES) on an sm_90 GPU.
 
-python bench/lab/flash_sm90_sweep.py [--seqlens 2048 8192] [--hd 64 128 256]
+python bench/lab/flash_sm90_sweep.py [--seqlens 2048 8192] [--hd 64 128 256] [--prebuild]
 Each candidate FlashSm90Tiles is forced with ``tuning.override(flash_sm90_tiles=...)`` and
 timed by CUDA-graph replays in the flash suite's configuration (bf16, batch = 16384 // S,
 nheads = 2048 // hd), TFLOP/s printed with the table's choice marked "*"; each output is
@@ -25,19 +25,37 @@ from cuattn.tuning import FlashSm90Tiles as T  # noqa: E402
 
 # Candidates (each compiles for sm_90a with no spills, and fits 227 KB of shared memory).
 CANDIDATES = {
-    64: [T(128, 128, 2), T(128, 128, 3), T(128, 176, 2), T(128, 192, 2), T(64, 128, 2),
-         T(128, 64, 3)],
-    128: [T(128, 128, 2), T(128, 176, 2), T(128, 96, 2), T(128, 64, 3), T(128, 80, 3),
-          T(64, 128, 2)],
-    256: [T(128, 64, 2), T(128, 80, 2), T(128, 48, 2), T(64, 64, 3)],
+    64: [T(128, 128, 2), T(128, 128, 3), T(128, 176, 2), T(128, 192, 2), T(128, 96, 3),
+         T(128, 64, 4), T(192, 128, 2), T(192, 96, 2), T(192, 128, 3), T(192, 64, 3)],
+    128: [T(128, 128, 2), T(128, 128, 3), T(128, 176, 2), T(128, 160, 2), T(128, 96, 3),
+          T(128, 80, 3), T(192, 64, 2), T(192, 64, 3), T(192, 80, 2)],
+    256: [T(128, 64, 2), T(128, 80, 2), T(128, 48, 3), T(128, 32, 4)],
 }
+
+
+def prebuild(arch: str = "sm_90") -> None:
+    """Compile every candidate (both masks, the TMA form) into the disk cache."""
+    from cuattn import jit
+    from cuattn.variants import MASK_CAUSAL, MASK_NONE
+    for hd, ts in CANDIDATES.items():
+        for t in ts:
+            for mask in (MASK_NONE, MASK_CAUSAL):
+                with tuning.override(flash_sm90_tiles=t):
+                    v = tuning.flash_sm90_variant("bf16", hd, mask=mask, split=False, tma=True)
+                jit.build(v, arch)
+                r = jit.compile_variant(v, arch).resources()[v.name]
+                print(v.name, r, flush=True)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seqlens", type=int, nargs="+", default=[2048, 8192])
     ap.add_argument("--hd", type=int, nargs="+", default=[64, 128, 256])
+    ap.add_argument("--prebuild", action="store_true", help="compile the candidates, no GPU")
     args = ap.parse_args()
+    if args.prebuild:
+        prebuild()
+        return 0
     print("| hd | S | causal | tiles (BMxBNxstages) and TFLOP/s, one cell each |")
     for hd in args.hd:
         table = tuning.FLASH_SM90_TILES[tuning.sm90_head_dim(hd)]

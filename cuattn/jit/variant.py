@@ -23,7 +23,11 @@ class Variant:
     header: ClassVar[str]             # kernel header under cuda_src/
     kernel: ClassVar[str]             # C++ __device__ function template: kernel<Traits>(params)
     traits: ClassVar[str]             # C++ traits template the key's values instantiate
-    params: ClassVar[ParamsStruct]    # the single by-value kernel argument
+    params: ClassVar[ParamsStruct]    # the first by-value kernel argument
+    # Further by-value arguments, (C++ struct under cuattn::, name): the launch passes them
+    # after the params struct (cuattn._launch.Launch.extra), the kernel function takes them
+    # after it.
+    extra_params: ClassVar[tuple[tuple[str, str], ...]] = ()
     # Whether Traits::SMEM_BYTES is the kernel's dynamic shared memory: the entry point then
     # pins dynamic_smem_bytes (Python's value) to it with a static_assert.
     smem_from_traits: ClassVar[bool] = False
@@ -72,13 +76,17 @@ class Variant:
         smem = (f"static_assert(Traits::SMEM_BYTES == {self.dynamic_smem_bytes}, "
                 f"\"{self.name}: shared memory differs from its Python value\");\n"
                 if self.smem_from_traits else "")
+        arguments = ",\n    ".join(
+            f"const __grid_constant__ cuattn::{cpp} {name}"
+            for cpp, name in ((self.params.cpp_name, "params"),) + self.extra_params)
+        passed = ", ".join(("params",) + tuple(name for _, name in self.extra_params))
         return (
             f'#include "{self.header}"\n'
             f"namespace cuattn {{\n{self.params.layout_asserts()}\n}}\n"
             f"namespace {{\nusing Traits = cuattn::{self.traits}<{args}>;\n{smem}}}\n"
             f'extern "C" __global__ void __launch_bounds__({bounds})\n'
-            f"{self.name}(const __grid_constant__ cuattn::{self.params.cpp_name} params) {{\n"
-            f"  cuattn::{self.kernel}<Traits>(params);\n"
+            f"{self.name}({arguments}) {{\n"
+            f"  cuattn::{self.kernel}<Traits>({passed});\n"
             f"}}\n"
         )
 

@@ -1,6 +1,6 @@
 // Hopper (sm_90a) warpgroup plumbing: shared-memory matrix descriptors for 128-byte-
 // swizzled tiles, the wgmma fence / commit / wait, mbarriers (the producer / consumer
-// pipeline), setmaxnreg and named barriers. The instructions are wrapped by
+// pipeline), TMA tensor copies, setmaxnreg and named barriers. The instructions are wrapped by
 // common/wgmma_ops.cuh; layouts follow the PTX ISA ("Matrix Descriptor Format", "Shared
 // Memory Matrix Layout"), as CUTLASS's GmmaDescriptor and fast.cu encode them.
 #pragma once
@@ -54,6 +54,12 @@ __device__ __forceinline__ void fence_regs(float (&d)[R][C]) {
   }
 }
 
+// Orders this thread's generic-proxy shared-memory writes (st.shared, cp.async) before
+// later async-proxy accesses (wgmma operands, TMA) of the same memory.
+__device__ __forceinline__ void fence_proxy_async() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
 // ---- mbarriers (PTX ISA "Parallel Synchronization and Communication: mbarrier") ------------
 // A barrier completes a phase when `count` arrivals have landed; waiters name the parity
 // of the phase they wait for (a fresh barrier counts its phase "-1", parity 1, as complete,
@@ -80,6 +86,35 @@ __device__ __forceinline__ void mbar_wait(u32 bar, int parity) {
                  "selp.u32 %0, 1, 0, p;\n}\n"
                  : "=r"(done) : "r"(bar), "r"(parity) : "memory");
   } while (!done);
+}
+
+// One arrival that also expects `bytes` more to land by complete_tx (a TMA copy's).
+__device__ __forceinline__ void mbar_arrive_expect_tx(u32 bar, u32 bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n"
+               :: "r"(bar), "r"(bytes) : "memory");
+}
+
+// ---- TMA (PTX ISA "Tensor copy": cp.async.bulk.tensor) ---------------------------------------
+// A tensor map as cuTensorMapEncodeTiled writes it on the host (CUtensorMap: 128 opaque bytes,
+// 64-byte aligned; NVRTC has no cuda.h). Kernels take them as __grid_constant__ parameters.
+struct alignas(64) TmaDescriptor {
+  unsigned long long opaque[16];
+};
+
+__device__ __forceinline__ void tma_prefetch(const TmaDescriptor& map) {
+  asm volatile("prefetch.tensormap [%0];\n" :: "l"(reinterpret_cast<u64>(&map)) : "memory");
+}
+// Copy the box at element coordinates (c0 innermost .. c3) of a 4-d tensor map to shared
+// address `dst` (the map's swizzle applied); its bytes complete_tx on `bar`. Elements out of
+// the tensor's bounds land as zeros.
+__device__ __forceinline__ void tma_load_4d(u32 dst, const TmaDescriptor& map, u32 bar, int c0,
+                                            int c1, int c2, int c3) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%3, %4, %5, %6}], [%2];\n"
+      :: "r"(dst), "l"(reinterpret_cast<u64>(&map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2),
+         "r"(c3)
+      : "memory");
 }
 
 // ---- registers and named barriers -------------------------------------------------------------
