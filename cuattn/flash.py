@@ -357,4 +357,3 @@ def _plan(c: Call) -> Plan:
                                    (combine.num_threads,), 0, FLASH_PARAMS.dtype, ptr_slots,
                                    tail))
     return Plan(**common, scratch=scratch, scratch_bytes=scratch_bytes, launches=tuple(launches))
-

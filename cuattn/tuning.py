@@ -247,7 +247,6 @@ FLASH_SM90_TILES_HEAVY = {
     64: FlashSm90Tiles(128, 128, 2),
     256: FlashSm90Tiles(128, 48, 3),    # smem 209 KB
 }
-FLASH_SM90_ARCH = SM90_ARCH
 
 
 def sm90_head_dim(head_dim: int) -> int:
@@ -259,11 +258,11 @@ def flash_path(arch: str, head_dim: int) -> str:
     """"wgmma" (the Hopper kernel) or "mma" (mma.sync) for a device of ``arch`` and a real
     head dim. Forced by override(flash_path=...), and to "mma" by override(flash_tiles=...)."""
     forced = _overrides.get("flash_path")
-    if forced == "wgmma" and arch != FLASH_SM90_ARCH:
+    if forced == "wgmma" and arch != SM90_ARCH:
         raise ValueError(f"override: flash_path 'wgmma' needs an sm_90 device, this is {arch}")
     if forced is not None:
         return forced
-    if "flash_tiles" in _overrides or arch != FLASH_SM90_ARCH or compiled_head_dim(head_dim) < 64:
+    if "flash_tiles" in _overrides or arch != SM90_ARCH or compiled_head_dim(head_dim) < 64:
         return "mma"
     return "wgmma"
 

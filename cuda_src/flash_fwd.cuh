@@ -48,10 +48,20 @@ enum : int { kSoftcap = 1, kAlibi = 2, kSinks = 4, kPackGqa = 8 };
 template <bool FP8, typename T> struct CacheElem { using type = T; };
 template <typename T> struct CacheElem<true, T> { using type = unsigned char; };
 
+// The FEATURES bits as both forward kernels' traits read them (their base).
+template <int FEATURES>
+struct FlashFeatures {
+  static constexpr bool SOFTCAP = (FEATURES & kSoftcap) != 0;
+  static constexpr bool ALIBI = (FEATURES & kAlibi) != 0;
+  static constexpr bool SINKS = (FEATURES & kSinks) != 0;
+  static constexpr bool PACK_GQA = (FEATURES & kPackGqa) != 0;
+  using Logits = LogitsHook<SOFTCAP, ALIBI>;            // the logits hook point
+};
+
 template <typename T_, int HEAD_DIM_, int BLOCK_M_, int BLOCK_N_, int NUM_WARPS_, int STAGES_,
           int MASK_, bool SPLIT_, int Q_SMEM_, bool KV_SPLIT_, int SOFTMAX_, int KV_,
           int FEATURES_, bool FP8_>
-struct FlashFwdTraits {
+struct FlashFwdTraits : FlashFeatures<FEATURES_> {
   using T = T_;
   static constexpr bool FP8 = FP8_;
   using C = typename CacheElem<FP8, T>::type;           // an element of the K/V source
@@ -59,11 +69,6 @@ struct FlashFwdTraits {
   static constexpr int KV = KV_;
   static constexpr bool PAGED = KV != kKvDense;
   static constexpr bool V_BY_DIM = KV == kKvPagedVllm;  // V tile is [dim][key] (vLLM's V)
-  static constexpr bool SOFTCAP = (FEATURES_ & kSoftcap) != 0;
-  static constexpr bool ALIBI = (FEATURES_ & kAlibi) != 0;
-  static constexpr bool SINKS = (FEATURES_ & kSinks) != 0;
-  static constexpr bool PACK_GQA = (FEATURES_ & kPackGqa) != 0;
-  using Logits = LogitsHook<SOFTCAP, ALIBI>;            // the logits hook point
   static constexpr int HEAD_DIM = HEAD_DIM_;
   static constexpr int BLOCK_M = BLOCK_M_;
   static constexpr int BLOCK_N = BLOCK_N_;

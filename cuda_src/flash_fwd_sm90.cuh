@@ -3,12 +3,13 @@
 // wgmma.mma_async (Q and K from 128-byte-swizzled shared memory by descriptor, P from
 // registers as the A operand, V read transposed by its descriptor), warp-specialized: a
 // producer warpgroup loads Q and the K / V tiles into STAGES-deep rings guarded by
-// mbarriers (by TMA for dense Q / K / V, by cp.async for varlen and strides a tensor map
-// cannot describe), and 1-3 consumer warpgroups of 64 query rows each compute, with setmaxnreg
-// moving registers from the producer to them. Inside a consumer warpgroup the softmax of
-// tile n runs while O += P V of tile n-1 is in flight (intra-warpgroup overlap). The
-// consumers' accumulators have mma.sync's fragment layout, so the online softmax, the mask,
-// the logits hooks, the key-tile order and both epilogues are flash_fwd.cuh's parts.
+// mbarriers (by TMA, a varlen V tile crossing its sequence's end and arrays a tensor map
+// cannot describe by cp.async), and 1-3 consumer warpgroups of 64 query rows each compute,
+// with setmaxnreg moving registers from the producer to them. Inside a consumer warpgroup
+// the softmax of tile n runs while O += P V of tile n-1 is in flight (intra-warpgroup
+// overlap). The consumers' accumulators have mma.sync's fragment layout, so the online
+// softmax, the mask, the logits hooks, the key-tile order and both epilogues are
+// flash_fwd.cuh's parts.
 #pragma once
 #include "flash_fwd.cuh"
 #include "common/wgmma.cuh"
@@ -21,14 +22,9 @@ namespace cuattn {
 // producer loads by tensor map (FlashTmaMaps), else by cp.async.
 template <typename T_, int HEAD_DIM_, int BLOCK_M_, int BLOCK_N_, int STAGES_, bool TMA_,
           int MASK_, bool SPLIT_, int FEATURES_>
-struct FlashFwdSm90Traits {
+struct FlashFwdSm90Traits : FlashFeatures<FEATURES_> {
   using T = T_;
   using Mask = BandMask<MASK_>;
-  static constexpr bool SOFTCAP = (FEATURES_ & kSoftcap) != 0;
-  static constexpr bool ALIBI = (FEATURES_ & kAlibi) != 0;
-  static constexpr bool SINKS = (FEATURES_ & kSinks) != 0;
-  static constexpr bool PACK_GQA = false;
-  using Logits = LogitsHook<SOFTCAP, ALIBI>;
   static constexpr int HEAD_DIM = HEAD_DIM_;
   static constexpr int BLOCK_M = BLOCK_M_;
   static constexpr int BLOCK_N = BLOCK_N_;
@@ -136,23 +132,34 @@ __device__ __forceinline__ void copy_tile(u32 dst, const typename Tr::T* src, lo
   }
 }
 
-// The tensor maps of a dense call (cuattn/_tma.py encodes them per call): Q, K and V as 4-d
-// tensors (head dim, row, head, batch), 128-byte swizzle, boxes of 64 columns x 64 rows (Q)
-// or x BLOCK_N rows (K, V), out-of-bounds elements zero. Unused (zeros) by cp.async forms.
+// The tensor maps of a call (cuattn/_tma.py encodes them per call): Q, K and V as 4-d
+// tensors (head dim, row, head, batch; varlen: batch 1), 128-byte swizzle, boxes of 64
+// columns x 64 rows (Q) or x BLOCK_N rows (K, V), out-of-bounds elements zero. Unused
+// (zeros) by cp.async forms.
 struct FlashTmaMaps {
   TmaDescriptor q, k, v;
 };
 
-// The pipeline's mbarriers (after the tiles in shared memory): Q full, then per stage K full,
-// K empty, V full, V empty.
-template <int STAGES>
-struct Sm90Barriers {
-  u32 base;
-  __device__ u32 q_full() const { return base; }
-  __device__ u32 k_full(int s) const { return base + 8 * (1 + s); }
-  __device__ u32 k_empty(int s) const { return base + 8 * (1 + STAGES + s); }
-  __device__ u32 v_full(int s) const { return base + 8 * (1 + 2 * STAGES + s); }
-  __device__ u32 v_empty(int s) const { return base + 8 * (1 + 3 * STAGES + s); }
+// The block's shared memory from its 1024-aligned base (Tr::SMEM_BYTES' layout): the Q
+// tiles, the K ring, the V ring, then the pipeline's mbarriers: Q full, then per stage K
+// full, K empty, V full, V empty.
+template <typename Tr>
+struct Sm90Smem {
+  u32 q;
+  __device__ u32 k_tile(int s) const { return q + Tr::Q_BYTES + s * Tr::KV_TILE_BYTES; }
+  __device__ u32 v_tile(int s) const { return k_tile(Tr::STAGES + s); }
+  __device__ u32 q_full() const { return v_tile(Tr::STAGES); }
+  __device__ u32 k_full(int s) const { return q_full() + 8 * (1 + s); }
+  __device__ u32 k_empty(int s) const { return q_full() + 8 * (1 + Tr::STAGES + s); }
+  __device__ u32 v_full(int s) const { return q_full() + 8 * (1 + 2 * Tr::STAGES + s); }
+  __device__ u32 v_empty(int s) const { return q_full() + 8 * (1 + 3 * Tr::STAGES + s); }
+};
+
+// What a block computes: its sequence's query rows and keys, its first row, query head, KV
+// head and batch entry.
+struct Sm90Block {
+  SeqRange qr, kr;
+  int m0, head, kvh, b;
 };
 
 // The TMA producer (the producer warpgroup, thread ptid; thread 0 issues every copy): Q,
@@ -166,26 +173,24 @@ struct Sm90Barriers {
 // and thread 0 arrives once every thread's copies landed.
 template <typename Tr>
 __device__ __forceinline__ void tma_produce(const FlashFwdParams& p, const FlashTmaMaps& maps,
-                                            const KeyTiles& tiles, Sm90Barriers<Tr::STAGES> bar,
-                                            u32 smem_q, u32 smem_k, u32 smem_v, int m0,
-                                            int head, int kvh, int b, SeqRange qr, SeqRange kr,
-                                            int ptid) {
+                                            const KeyTiles& tiles, Sm90Smem<Tr> sm,
+                                            const Sm90Block& blk, int ptid) {
   using T = typename Tr::T;
   constexpr int BN = Tr::BLOCK_N, COL_BLOCKS = Tr::HEAD_DIM / 64;
   const bool varlen = p.cu_seqlens_k != nullptr;
   if (!varlen && ptid != 0) return;
-  const int batch = varlen ? 0 : b;   // map coordinates: (column, row, head, batch)
+  const int batch = varlen ? 0 : blk.b;   // map coordinates: (column, row, head, batch)
   if (ptid == 0) {
     tma_prefetch(maps.q);
     tma_prefetch(maps.k);
     tma_prefetch(maps.v);
-    mbar_arrive_expect_tx(bar.q_full(), Tr::Q_BYTES);
+    mbar_arrive_expect_tx(sm.q_full(), Tr::Q_BYTES);
 #pragma unroll
     for (int wg = 0; wg < Tr::NUM_WG; ++wg) {
 #pragma unroll
       for (int cb = 0; cb < COL_BLOCKS; ++cb) {
-        tma_load_4d(smem_q + wg * Tr::WG_Q_BYTES + cb * (64 * 128), maps.q, bar.q_full(),
-                    cb * 64, qr.start + m0 + wg * 64, head, batch);
+        tma_load_4d(sm.q + wg * Tr::WG_Q_BYTES + cb * (64 * 128), maps.q, sm.q_full(),
+                    cb * 64, blk.qr.start + blk.m0 + wg * 64, blk.head, batch);
       }
     }
   }
@@ -196,29 +201,31 @@ __device__ __forceinline__ void tma_produce(const FlashFwdParams& p, const Flash
     mbar_arrive_expect_tx(full, Tr::KV_TILE_BYTES);
 #pragma unroll
     for (int cb = 0; cb < COL_BLOCKS; ++cb) {
-      tma_load_4d(tile + cb * (BN * 128), map, full, cb * 64, kr.start + key0, kvh, batch);
+      tma_load_4d(tile + cb * (BN * 128), map, full, cb * 64, blk.kr.start + key0, blk.kvh,
+                  batch);
     }
   };
 #pragma unroll 1
   for (int n = 0; n < tiles.n_steps; ++n) {
     const int s = n % Tr::STAGES, phase = (n / Tr::STAGES) & 1;
     const int key0 = tiles.tile_of(n) * BN;
-    const u32 v_tile = smem_v + s * Tr::KV_TILE_BYTES;
+    const u32 v_tile = sm.v_tile(s);
     if (ptid == 0) {
-      tma_tile(smem_k + s * Tr::KV_TILE_BYTES, maps.k, bar.k_full(s), bar.k_empty(s), phase, key0);
+      tma_tile(sm.k_tile(s), maps.k, sm.k_full(s), sm.k_empty(s), phase, key0);
     }
-    if (varlen && key0 + BN > kr.len) {
-      mbar_wait(bar.v_empty(s), phase ^ 1);
-      const T* v_ptr = static_cast<const T*>(p.v) + (long long)kr.start * p.v_stride_row +
-                       kvh * p.v_stride_head;
-      copy_tile<Tr, BN, BN>(v_tile, v_ptr, p.v_stride_row, key0, kr.len, p.head_dim / 8, ptid);
+    if (varlen && key0 + BN > blk.kr.len) {
+      mbar_wait(sm.v_empty(s), phase ^ 1);
+      const T* v_ptr = static_cast<const T*>(p.v) + (long long)blk.kr.start * p.v_stride_row +
+                       blk.kvh * p.v_stride_head;
+      copy_tile<Tr, BN, BN>(v_tile, v_ptr, p.v_stride_row, key0, blk.kr.len, p.head_dim / 8,
+                            ptid);
       cp_async_commit();
       cp_async_wait<0>();
       fence_proxy_async();   // generic-proxy writes, read next by wgmma (the async proxy)
       named_barrier_sync(Tr::PRODUCER_BARRIER, Tr::PRODUCER_THREADS);
-      if (ptid == 0) mbar_arrive(bar.v_full(s));
+      if (ptid == 0) mbar_arrive(sm.v_full(s));
     } else if (ptid == 0) {
-      tma_tile(v_tile, maps.v, bar.v_full(s), bar.v_empty(s), phase, key0);
+      tma_tile(v_tile, maps.v, sm.v_full(s), sm.v_empty(s), phase, key0);
     }
   }
 }
@@ -228,34 +235,34 @@ __device__ __forceinline__ void tma_produce(const FlashFwdParams& p, const Flash
 // arrives on a full barrier once its copies of that tile landed.
 template <typename Tr>
 __device__ __forceinline__ void cp_async_produce(const FlashFwdParams& p, const KeyTiles& tiles,
-                                                 Sm90Barriers<Tr::STAGES> bar, u32 smem_q,
-                                                 u32 smem_k, u32 smem_v, int m0, int head,
-                                                 int kvh, int b, SeqRange qr, SeqRange kr,
+                                                 Sm90Smem<Tr> sm, const Sm90Block& blk,
                                                  int ptid) {
   using T = typename Tr::T;
   constexpr int BN = Tr::BLOCK_N;
   const int head_dim_chunks = p.head_dim / 8;
+  const SeqRange qr = blk.qr, kr = blk.kr;
+  const int b = blk.b, kvh = blk.kvh;
   const T* q_ptr = static_cast<const T*>(p.q) + b * p.q_stride_batch +
-                   (long long)qr.start * p.q_stride_row + head * p.q_stride_head;
+                   (long long)qr.start * p.q_stride_row + blk.head * p.q_stride_head;
   const T* k_ptr = static_cast<const T*>(p.k) + b * p.k_stride_batch +
                    (long long)kr.start * p.k_stride_row + kvh * p.k_stride_head;
   const T* v_ptr = static_cast<const T*>(p.v) + b * p.v_stride_batch +
                    (long long)kr.start * p.v_stride_row + kvh * p.v_stride_head;
-  copy_tile<Tr, Tr::BLOCK_M, 64>(smem_q, q_ptr, p.q_stride_row, m0, qr.len, head_dim_chunks,
+  copy_tile<Tr, Tr::BLOCK_M, 64>(sm.q, q_ptr, p.q_stride_row, blk.m0, qr.len, head_dim_chunks,
                                  ptid);
-  cp_async_mbar_arrive(bar.q_full());
+  cp_async_mbar_arrive(sm.q_full());
 #pragma unroll 1
   for (int n = 0; n < tiles.n_steps; ++n) {
     const int s = n % Tr::STAGES, phase = (n / Tr::STAGES) & 1;
     const int key0 = tiles.tile_of(n) * BN;
-    mbar_wait(bar.k_empty(s), phase ^ 1);
-    copy_tile<Tr, BN, BN>(smem_k + s * Tr::KV_TILE_BYTES, k_ptr, p.k_stride_row, key0, kr.len,
-                          head_dim_chunks, ptid);
-    cp_async_mbar_arrive(bar.k_full(s));
-    mbar_wait(bar.v_empty(s), phase ^ 1);
-    copy_tile<Tr, BN, BN>(smem_v + s * Tr::KV_TILE_BYTES, v_ptr, p.v_stride_row, key0, kr.len,
-                          head_dim_chunks, ptid);
-    cp_async_mbar_arrive(bar.v_full(s));
+    mbar_wait(sm.k_empty(s), phase ^ 1);
+    copy_tile<Tr, BN, BN>(sm.k_tile(s), k_ptr, p.k_stride_row, key0, kr.len, head_dim_chunks,
+                          ptid);
+    cp_async_mbar_arrive(sm.k_full(s));
+    mbar_wait(sm.v_empty(s), phase ^ 1);
+    copy_tile<Tr, BN, BN>(sm.v_tile(s), v_ptr, p.v_stride_row, key0, kr.len, head_dim_chunks,
+                          ptid);
+    cp_async_mbar_arrive(sm.v_full(s));
   }
   cp_async_commit();
   cp_async_wait<0>();   // nothing may still be writing shared memory when the block exits
@@ -271,10 +278,7 @@ __device__ void flash_fwd_sm90_kernel(const FlashFwdParams& p, const FlashTmaMap
   constexpr int STAGES = Tr::STAGES;
 
   extern __shared__ __align__(1024) unsigned char smem[];
-  const u32 smem_q = (smem_addr(smem) + 1023u) & ~1023u;
-  const u32 smem_k = smem_q + Tr::Q_BYTES;
-  const u32 smem_v = smem_k + STAGES * Tr::KV_TILE_BYTES;
-  const Sm90Barriers<STAGES> bar{smem_v + STAGES * Tr::KV_TILE_BYTES};
+  const Sm90Smem<Tr> sm{(smem_addr(smem) + 1023u) & ~1023u};
 
   const int tid = threadIdx.x;
 
@@ -295,13 +299,13 @@ __device__ void flash_fwd_sm90_kernel(const FlashFwdParams& p, const FlashTmaMap
   const int n_steps = tiles.n_steps;
 
   if (tid == 0) {
-    mbar_init(bar.q_full(), Tr::FULL_ARRIVALS);
+    mbar_init(sm.q_full(), Tr::FULL_ARRIVALS);
 #pragma unroll
     for (int s = 0; s < STAGES; ++s) {
-      mbar_init(bar.k_full(s), Tr::FULL_ARRIVALS);
-      mbar_init(bar.v_full(s), Tr::FULL_ARRIVALS);
-      mbar_init(bar.k_empty(s), Tr::CONSUMER_THREADS);
-      mbar_init(bar.v_empty(s), Tr::CONSUMER_THREADS);
+      mbar_init(sm.k_full(s), Tr::FULL_ARRIVALS);
+      mbar_init(sm.v_full(s), Tr::FULL_ARRIVALS);
+      mbar_init(sm.k_empty(s), Tr::CONSUMER_THREADS);
+      mbar_init(sm.v_empty(s), Tr::CONSUMER_THREADS);
     }
     fence_mbar_init();
   }
@@ -310,12 +314,11 @@ __device__ void flash_fwd_sm90_kernel(const FlashFwdParams& p, const FlashTmaMap
   // ---- the producer warpgroup: Q, then K_n and V_n into stage n % STAGES once free --------
   if (tid < Tr::PRODUCER_THREADS) {
     setmaxnreg_dec<Tr::PRODUCER_REGS>();
-    const int kvh = head / p.head_group;
+    const Sm90Block blk{qr, kr, m0, head, head / p.head_group, b};
     if constexpr (Tr::TMA) {
-      tma_produce<Tr>(p, maps, tiles, bar, smem_q, smem_k, smem_v, m0, head, kvh, b, qr, kr,
-                      tid);
+      tma_produce<Tr>(p, maps, tiles, sm, blk, tid);
     } else {
-      cp_async_produce<Tr>(p, tiles, bar, smem_q, smem_k, smem_v, m0, head, kvh, b, qr, kr, tid);
+      cp_async_produce<Tr>(p, tiles, sm, blk, tid);
     }
   } else {
 
@@ -331,13 +334,13 @@ __device__ void flash_fwd_sm90_kernel(const FlashFwdParams& p, const FlashTmaMap
     // Descriptors: this warpgroup's Q rows (k16 step ks: column block ks / 4, 32 bytes per
     // step inside it), a K tile likewise, a V tile by k16 step of keys (16 rows of 128
     // bytes) with its 64-column blocks BN x 128 bytes apart.
-    const u32 q_wg = smem_q + wg * Tr::WG_Q_BYTES;
+    const u32 q_wg = sm.q + wg * Tr::WG_Q_BYTES;
     auto q_desc = [&](int ks) { return sw128_desc(q_wg + (ks / 4) * (64 * 128) + (ks % 4) * 32); };
     auto k_desc = [&](int s, int ks) {
-      return sw128_desc(smem_k + s * Tr::KV_TILE_BYTES + (ks / 4) * (BN * 128) + (ks % 4) * 32);
+      return sw128_desc(sm.k_tile(s) + (ks / 4) * (BN * 128) + (ks % 4) * 32);
     };
     auto v_desc = [&](int s, int kk) {
-      return sw128_desc(smem_v + s * Tr::KV_TILE_BYTES + kk * (16 * 128), BN * 128);
+      return sw128_desc(sm.v_tile(s) + kk * (16 * 128), BN * 128);
     };
 
     float o_acc[1][Tr::O_N_TILES][4];
@@ -360,7 +363,7 @@ __device__ void flash_fwd_sm90_kernel(const FlashFwdParams& p, const FlashTmaMap
     // S = Q K^T of step n into s_acc (issued, committed; the caller waits)
     auto issue_qk = [&](int n) {
       const int s = n % STAGES;
-      mbar_wait(bar.k_full(s), (n / STAGES) & 1);
+      mbar_wait(sm.k_full(s), (n / STAGES) & 1);
 #pragma unroll
       for (int ks = 0; ks < Tr::QK_K_STEPS; ++ks) {
         Wgmma<T, BN>::ss(s_acc[0], q_desc(ks), k_desc(s, ks), ks > 0);
@@ -370,7 +373,7 @@ __device__ void flash_fwd_sm90_kernel(const FlashFwdParams& p, const FlashTmaMap
     // O += P V of step n (P in p_pack; issued, committed)
     auto issue_pv = [&](int n) {
       const int s = n % STAGES;
-      mbar_wait(bar.v_full(s), (n / STAGES) & 1);
+      mbar_wait(sm.v_full(s), (n / STAGES) & 1);
 #pragma unroll
       for (int kk = 0; kk < Tr::PV_K_STEPS; ++kk) {
         Wgmma<T, Tr::HEAD_DIM>::rs(o_acc[0], p_pack[0][kk], v_desc(s, kk), 1);
@@ -394,13 +397,13 @@ __device__ void flash_fwd_sm90_kernel(const FlashFwdParams& p, const FlashTmaMap
 
     // ---- the key loop: S_n in flight with O += P_{n-1} V_{n-1}; softmax of S_n under the
     // latter; O rescaled once it has landed ------------------------------------------------------
-    mbar_wait(bar.q_full(), 0);
+    mbar_wait(sm.q_full(), 0);
     if (n_steps > 0) {
       wgmma_fence();
       issue_qk(0);
       wgmma_wait<0>();
       fence_regs(s_acc[0]);
-      mbar_arrive(bar.k_empty(0));
+      mbar_arrive(sm.k_empty(0));
       softmax_step(0);
       pack_p();
 #pragma unroll 1
@@ -410,12 +413,12 @@ __device__ void flash_fwd_sm90_kernel(const FlashFwdParams& p, const FlashTmaMap
         issue_pv(n - 1);
         wgmma_wait<1>();   // S_n has landed
         fence_regs(s_acc[0]);
-        mbar_arrive(bar.k_empty(n % STAGES));
+        mbar_arrive(sm.k_empty(n % STAGES));
         softmax_step(n);
         wgmma_wait<0>();   // O += P_{n-1} V_{n-1} has landed
         fence_regs(o_acc[0]);
         fence_regs(s_acc[0]);   // P_n is packed only now: p_pack may still feed the last wgmma
-        mbar_arrive(bar.v_empty((n - 1) % STAGES));
+        mbar_arrive(sm.v_empty((n - 1) % STAGES));
 #pragma unroll
         for (int nt = 0; nt < Tr::O_N_TILES; ++nt) {
           o_acc[0][nt][0] *= alpha[0][0];
@@ -429,7 +432,7 @@ __device__ void flash_fwd_sm90_kernel(const FlashFwdParams& p, const FlashTmaMap
       issue_pv(n_steps - 1);
       wgmma_wait<0>();
       fence_regs(o_acc[0]);
-      mbar_arrive(bar.v_empty((n_steps - 1) % STAGES));
+      mbar_arrive(sm.v_empty((n_steps - 1) % STAGES));
     }
     // This warpgroup's wgmmas have read its Q tile; the epilogue reuses it.
     named_barrier_sync(1 + wg, 128);   // (ids: see PRODUCER_BARRIER)
@@ -445,7 +448,7 @@ __device__ void flash_fwd_sm90_kernel(const FlashFwdParams& p, const FlashTmaMap
       store_partials<Tr>(p, rows, o_acc, b, qrows, sq, split, qr, m0, warp, g, t4,
                          head_dim_chunks);
     } else {
-      store_output<Tr>(p, rows, o_acc, smem_q, b, qrows, sq, qr, m0, warp, lane, g, t4,
+      store_output<Tr>(p, rows, o_acc, sm.q, b, qrows, sq, qr, m0, warp, lane, g, t4,
                        head_dim_chunks);
     }
   }

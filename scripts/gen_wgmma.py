@@ -74,20 +74,15 @@ def render() -> str:
         for cpp_t, ptx_t in TYPES:
             out.append("")
             out.append(f"template <> struct Wgmma<{cpp_t}, {n}> {{")
-            if n in SS_NS:
-                out.append(f"  static __device__ __forceinline__ void ss(float (&d)[{n // 8}][4], "
-                           "unsigned long long a,")
-                out.append("                                          unsigned long long b, "
-                           "int scale_d) {")
-                out.append(_ss(n, ptx_t).rstrip("\n"))
-                out.append("  }")
-            if n in RS_NS:
-                out.append(f"  static __device__ __forceinline__ void rs(float (&d)[{n // 8}][4], "
-                           "const unsigned (&a)[4],")
-                out.append("                                          unsigned long long b, "
-                           "int scale_d) {")
-                out.append(_rs(n, ptx_t).rstrip("\n"))
-                out.append("  }")
+            for name, ns, a_arg, body in (("ss", SS_NS, "unsigned long long a", _ss),
+                                          ("rs", RS_NS, "const unsigned (&a)[4]", _rs)):
+                if n in ns:
+                    out.append(f"  static __device__ __forceinline__ void {name}(float "
+                               f"(&d)[{n // 8}][4], {a_arg},")
+                    out.append("                                          unsigned long long b, "
+                               "int scale_d) {")
+                    out.append(body(n, ptx_t).rstrip("\n"))
+                    out.append("  }")
             out.append("};")
     out += ["", "}  // namespace cuattn", ""]
     return "\n".join(out)

@@ -7,6 +7,7 @@ import contextlib
 import pytest
 
 from cuattn import tuning
+from cuattn.variants import SM90_ARCH
 
 FLASH_PATHS = ("mma", "wgmma")
 
@@ -18,7 +19,7 @@ def forced_flash_path(path: str):
         import cupy
 
         from cuattn.jit import arch_of_device
-        if arch_of_device(cupy.cuda.Device().id) != tuning.FLASH_SM90_ARCH:
+        if arch_of_device(cupy.cuda.Device().id) != SM90_ARCH:
             pytest.skip("the wgmma kernel runs on sm_90 devices only")
     with tuning.override(flash_path=path):
         yield
