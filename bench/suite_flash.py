@@ -31,6 +31,7 @@ varlen FLOPs are 4 H D sum(len^2), halved for causal), cuattn only (SDPA has no 
 from __future__ import annotations
 
 import math
+import sys
 
 import cupy
 import numpy as np
@@ -85,6 +86,10 @@ def _naive(q, k, v, causal):
     return cupy.matmul(scores, vt).astype(q.dtype)
 
 
+def _rates(rates: dict) -> str:
+    return " ".join(f"{lib} {'-' if r is None else f'{r:.0f}'}" for lib, r in rates.items())
+
+
 def _ratio(a, b):
     return None if a is None or b is None else a / b
 
@@ -135,6 +140,9 @@ def run(ceilings, quick: bool) -> list[dict]:
                 row["naive cupy TFLOP/s (eager)"] = tflops(
                     eager_ms(lambda: _naive(q, k, v, causal), calls=3, n_repeat=3))
             rows.append(row)
+            # progress (stderr: the table comes at the end), so that a cut-off run still tells
+            print(row["config"], "graph", _rates(graph), "| eager", _rates(eager),
+                  file=sys.stderr, flush=True)
         del q, k, v, out, views
         if tt is not None:
             tt.torch.cuda.empty_cache()

@@ -343,9 +343,17 @@ def _plan(c: Call) -> Plan:
         batch=c.batch, num_heads=nheads, head_group=nheads // c.nheads_kv, total_q=c.total_q,
         head_dim=head_dim, window_left=wl, window_right=wr, num_splits=num_splits,
         scale_log2=c.softmax_scale * A.LOG2E, softmax_scale_inv=1.0 / c.softmax_scale,
-        **hook_fields(c.softcap, c.softmax_scale), **fields)
+        m_blocks=m_blocks, **hook_fields(c.softcap, c.softmax_scale), **fields)
+    grid = (m_blocks, grid_y, c.batch * num_splits)
+    if isinstance(variant, FlashFwdSm90Variant):
+        # flash_fwd_sm90.cuh for_each_tile: varlen calls one block per row tile (the grid
+        # above); dense ones one block per SM (its registers allow no second) striding over
+        # the items, which are pairs of row tiles under a causal mask.
+        if "cu_seqlens_q" not in c.args:
+            per_entry = -(-m_blocks // 2) if variant.mask == MASK_CAUSAL else m_blocks
+            grid = (min(per_entry * grid_y * c.batch * num_splits, device.sm_count),)
     with cupy.cuda.Device(c.device_id):
-        launches = [Launch(get_kernel(variant, c.device_id), (m_blocks, grid_y, c.batch * num_splits),
+        launches = [Launch(get_kernel(variant, c.device_id), grid,
                            (variant.num_threads,), variant.dynamic_smem_bytes,
                            FLASH_PARAMS.dtype, ptr_slots, tail, extra)]
         if split and c.total_q * nheads > 0:

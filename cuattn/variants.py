@@ -31,7 +31,7 @@ FLASH_PARAMS = ParamsStruct("FlashFwdParams", [
     ("window_right", "i32"), ("num_splits", "i32"), ("block_shift", "i32"),
     ("max_blocks_per_seq", "i32"),
     ("scale_log2", "f32"), ("softmax_scale_inv", "f32"), ("softcap_in", "f32"),
-    ("softcap_out", "f32"), ("k_scale", "f32"), ("v_scale", "f32"),
+    ("softcap_out", "f32"), ("k_scale", "f32"), ("v_scale", "f32"), ("m_blocks", "i32"),
 ])
 
 MERGE_PARAMS = ParamsStruct("MergeParams", [
@@ -228,7 +228,7 @@ class FlashFwdSm90Variant(Variant):
         # 1024 B of alignment slack + Q tile + STAGES x (K tile + V tile), 2-byte elements,
         # + the mbarriers (pinned to Traits::SMEM_BYTES)
         return 1024 + 2 * self.head_dim * (self.block_m + 2 * self.stages * self.block_n) + \
-            8 * (1 + 4 * self.stages)
+            8 * (2 + 4 * self.stages)
 
     def target_arch(self, device_arch: str) -> str:
         return "sm_90a"   # wgmma exists only in the arch-specific target

@@ -7,9 +7,11 @@
 // cannot describe by cp.async), and 1-3 consumer warpgroups of 64 query rows each compute,
 // with setmaxnreg moving registers from the producer to them. Inside a consumer warpgroup
 // the softmax of tile n runs while O += P V of tile n-1 is in flight (intra-warpgroup
-// overlap). The consumers' accumulators have mma.sync's fragment layout, so the online
-// softmax, the mask, the logits hooks, the key-tile order and both epilogues are
-// flash_fwd.cuh's parts.
+// overlap). Dense calls run a persistent grid (for_each_tile): each block walks several row
+// tiles, and the producer loads the next one's Q and K / V under the last steps and the
+// epilogue of the current one. The consumers' accumulators have mma.sync's fragment layout,
+// so the online softmax, the mask, the logits hooks, the key-tile order and the split-KV
+// epilogue are flash_fwd.cuh's parts.
 #pragma once
 #include "flash_fwd.cuh"
 #include "common/wgmma.cuh"
@@ -39,8 +41,9 @@ struct FlashFwdSm90Traits : FlashFeatures<FEATURES_> {
   static constexpr int THREADS = PRODUCER_THREADS + CONSUMER_THREADS;
   // setmaxnreg: the producer keeps PRODUCER_REGS, each consumer thread gets CONSUMER_REGS
   // (all within the 64K registers of the SM: 128 x (PRODUCER_REGS + NUM_WG x CONSUMER_REGS)).
-  // The TMA producer issues from one thread (24, the least setmaxnreg takes, would not hold
-  // its varlen cp.async edge copies: 32); the cp.async producer needs 40.
+  // The TMA producer issues from one thread (24, the least setmaxnreg takes, spills its
+  // walk over the schedule: 32), the cp.async producer needs 40; the consumers take what the
+  // launch's pool leaves (LAUNCH_REGS below).
   static constexpr int PRODUCER_REGS = TMA ? 32 : 40;
   static constexpr int CONSUMER_REGS = NUM_WG == 3 ? (TMA ? 160 : 152) : 232;
   // What flash_fwd.cuh's parts read: each consumer warp owns one m16 tile of rows.
@@ -56,19 +59,22 @@ struct FlashFwdSm90Traits : FlashFeatures<FEATURES_> {
   static constexpr int STORE_UNROLL = Q_LOADS_PER_LANE;
 
   // Shared memory (tiles 128-byte swizzled, common/wgmma.cuh): one 64-row Q tile per
-  // consumer warpgroup (also its output staging), the K ring, the V ring (tiles [key][dim]),
-  // then the mbarriers: Q full, K full / empty and V full / empty per stage. 1024 bytes of
-  // slack align the base to the swizzle's 1024-byte period.
+  // consumer warpgroup, the K ring, the V ring (tiles [key][dim]), then the mbarriers: Q
+  // full / empty, K full / empty and V full / empty per stage. 1024 bytes of slack align the
+  // base to the swizzle's 1024-byte period.
   static constexpr int WG_Q_BYTES = 64 * HEAD_DIM * 2;
   static constexpr int Q_BYTES = BLOCK_M * HEAD_DIM * 2;
   static constexpr int KV_TILE_BYTES = BLOCK_N * HEAD_DIM * 2;
-  static constexpr int BAR_BYTES = 8 * (1 + 4 * STAGES);
+  static constexpr int BAR_BYTES = 8 * (2 + 4 * STAGES);
   static constexpr int SMEM_BYTES = 1024 + Q_BYTES + 2 * STAGES * KV_TILE_BYTES + BAR_BYTES;
   // A full barrier's arrivals: the one TMA-issuing thread (its expect_tx carries the bytes),
   // or every producer thread (cp.async.mbarrier.arrive once its copies landed).
   static constexpr int FULL_ARRIVALS = TMA ? 1 : PRODUCER_THREADS;
-  // Named barriers: 1 + wg for consumer warpgroup wg's epilogue, this one for the producer's.
-  static constexpr int PRODUCER_BARRIER = 4;
+  // The named barrier of the producer warpgroup (its varlen V edge copies).
+  static constexpr int PRODUCER_BARRIER = 1;
+  // The schedule (Sm90Schedule): a causal block walks pairs of row tiles, a heavy one and a
+  // light one.
+  static constexpr bool PAIR_TILES = MASK_ == kMaskCausal;
   // The producer's copies: each thread takes one 16-byte column chunk of every
   // ROWS_PER_PASS-th row when a row's chunks divide the warpgroup (EVEN_ROWS); otherwise
   // chunk c of the tile goes to thread c % 128 (head dim 192).
@@ -84,7 +90,14 @@ struct FlashFwdSm90Traits : FlashFeatures<FEATURES_> {
   static_assert(HEAD_DIM % 64 == 0 && HEAD_DIM <= 256, "head dim: whole 128-byte column blocks");
   static_assert(BLOCK_M % 64 == 0 && BLOCK_M <= 192, "one to three consumer warpgroups");
   static_assert(BLOCK_N % 16 == 0 && BLOCK_N <= 256, "wgmma N of S = Q K^T");
-  static_assert(128 * (PRODUCER_REGS + NUM_WG * CONSUMER_REGS) <= 65536, "register split");
+  // The block launches with LAUNCH_REGS registers per thread (min_blocks 1: ptxas takes all
+  // of 65536 / THREADS, in units of 8), and setmaxnreg.inc waits until the registers it asks
+  // for are free in the block's pool: the producer's release has to cover the consumers'
+  // gain, or they wait forever (hd128 at 32 / 240 hung).
+  static constexpr int LAUNCH_REGS = 65536 / THREADS / 8 * 8;
+  static_assert(PRODUCER_THREADS * (LAUNCH_REGS - PRODUCER_REGS) >=
+                    CONSUMER_THREADS * (CONSUMER_REGS - LAUNCH_REGS),
+                "register split: setmaxnreg.inc would wait for registers no one frees");
   static_assert(STAGES >= 2, "at least double buffering");
   static_assert((FEATURES_ & kPackGqa) == 0, "dense K/V: one head per block");
 };
@@ -141,167 +154,277 @@ struct FlashTmaMaps {
 };
 
 // The block's shared memory from its 1024-aligned base (Tr::SMEM_BYTES' layout): the Q
-// tiles, the K ring, the V ring, then the pipeline's mbarriers: Q full, then per stage K
-// full, K empty, V full, V empty.
+// tiles, the K ring, the V ring, then the pipeline's mbarriers: Q full, Q empty, then per
+// stage K full, K empty, V full, V empty.
 template <typename Tr>
 struct Sm90Smem {
   u32 q;
   __device__ u32 k_tile(int s) const { return q + Tr::Q_BYTES + s * Tr::KV_TILE_BYTES; }
   __device__ u32 v_tile(int s) const { return k_tile(Tr::STAGES + s); }
   __device__ u32 q_full() const { return v_tile(Tr::STAGES); }
-  __device__ u32 k_full(int s) const { return q_full() + 8 * (1 + s); }
-  __device__ u32 k_empty(int s) const { return q_full() + 8 * (1 + Tr::STAGES + s); }
-  __device__ u32 v_full(int s) const { return q_full() + 8 * (1 + 2 * Tr::STAGES + s); }
-  __device__ u32 v_empty(int s) const { return q_full() + 8 * (1 + 3 * Tr::STAGES + s); }
+  __device__ u32 q_empty() const { return q_full() + 8; }
+  __device__ u32 k_full(int s) const { return q_full() + 8 * (2 + s); }
+  __device__ u32 k_empty(int s) const { return q_full() + 8 * (2 + Tr::STAGES + s); }
+  __device__ u32 v_full(int s) const { return q_full() + 8 * (2 + 2 * Tr::STAGES + s); }
+  __device__ u32 v_empty(int s) const { return q_full() + 8 * (2 + 3 * Tr::STAGES + s); }
 };
 
-// What a block computes: its sequence's query rows and keys, its first row, query head, KV
-// head and batch entry.
+// One row tile's work: its sequence's query rows and keys, its first row, query head, KV
+// head, batch entry and split, and the key tiles it visits.
 struct Sm90Block {
   SeqRange qr, kr;
-  int m0, head, kvh, b;
+  int m0, head, kvh, b, split;
+  KeyTiles tiles;
 };
 
-// The TMA producer (the producer warpgroup, thread ptid; thread 0 issues every copy): Q,
-// then K_n and V_n of step n into stage n % STAGES once the consumers freed it; each box is
-// one 64-column block of a tile (the layout of copy_tile), each barrier expects its tile's
-// bytes (out-of-bounds zeros count too). Dense: the maps' bounds zero-fill rows past the
-// sequence. Varlen (the maps span every packed sequence, batch 1): rows past a sequence are
-// the next one's, harmless in Q (rows never stored) and K (keys masked by select) but not in
-// V, where P = 0 times a non-finite value would still poison the row; so a varlen V tile
-// crossing the sequence's end is copied by the whole warpgroup with cp.async, zero-filled,
-// and thread 0 arrives once every thread's copies landed.
-template <typename Tr>
-__device__ __forceinline__ void tma_produce(const FlashFwdParams& p, const FlashTmaMaps& maps,
-                                            const KeyTiles& tiles, Sm90Smem<Tr> sm,
-                                            const Sm90Block& blk, int ptid) {
-  using T = typename Tr::T;
-  constexpr int BN = Tr::BLOCK_N, COL_BLOCKS = Tr::HEAD_DIM / 64;
-  const bool varlen = p.cu_seqlens_k != nullptr;
-  if (!varlen && ptid != 0) return;
-  const int batch = varlen ? 0 : blk.b;   // map coordinates: (column, row, head, batch)
-  if (ptid == 0) {
-    tma_prefetch(maps.q);
-    tma_prefetch(maps.k);
-    tma_prefetch(maps.v);
-    mbar_arrive_expect_tx(sm.q_full(), Tr::Q_BYTES);
-#pragma unroll
-    for (int wg = 0; wg < Tr::NUM_WG; ++wg) {
-#pragma unroll
-      for (int cb = 0; cb < COL_BLOCKS; ++cb) {
-        tma_load_4d(sm.q + wg * Tr::WG_Q_BYTES + cb * (64 * 128), maps.q, sm.q_full(),
-                    cb * 64, blk.qr.start + blk.m0 + wg * 64, blk.head, batch);
-      }
-    }
-  }
-  // Keys key0 .. of K or V into `tile` (thread 0), once the consumers freed it (`empty`).
-  auto tma_tile = [&](u32 tile, const TmaDescriptor& map, u32 full, u32 empty, int phase,
-                      int key0) {
-    mbar_wait(empty, phase ^ 1);
-    mbar_arrive_expect_tx(full, Tr::KV_TILE_BYTES);
-#pragma unroll
-    for (int cb = 0; cb < COL_BLOCKS; ++cb) {
-      tma_load_4d(tile + cb * (BN * 128), map, full, cb * 64, blk.kr.start + key0, blk.kvh,
-                  batch);
-    }
+// The schedule, which both roles walk. Dense calls launch one block per SM (a persistent
+// grid: a tile's loads run under the last steps and the epilogue of the one before), each
+// striding over the grid's items: item w is a row tile of one head and one batch x split
+// entry (tiles fastest, heavy first, then heads, as the hardware would order a 3-d grid),
+// or with a causal mask (Tr::PAIR_TILES) the pair of tiles m_blocks - 1 - j and j, whose key
+// tiles add up to about the same for every j, so that blocks striding over equal items stay
+// balanced (an odd m_blocks leaves middle tiles, the last items). Varlen calls launch one
+// block per row tile, grid (m_blocks, heads, batch x splits) as flash_fwd_kernel's, heavy
+// first, and leave the balance to the hardware (the host knows no sequence's length).
+// VARLEN: -1 = from cu_seqlens_q at run time, 1 = known varlen (one tile, no loop: for a
+// caller that keeps few registers).
+template <typename Tr, int VARLEN, typename F>
+__device__ __forceinline__ void for_each_tile(const FlashFwdParams& p, F&& body) {
+  const unsigned num_m = p.m_blocks;
+  auto tile = [&](unsigned m_block, unsigned head, unsigned z) {
+    Sm90Block blk;
+    blk.b = Tr::SPLIT ? z / unsigned(p.num_splits) : z;
+    blk.split = Tr::SPLIT ? z % unsigned(p.num_splits) : 0;
+    blk.head = head;
+    blk.kvh = head / unsigned(p.head_group);
+    blk.qr = seq_range(p.cu_seqlens_q, blk.b, p.seqlen_q);
+    blk.kr = seq_range(p.cu_seqlens_k, blk.b, p.seqlen_k);
+    blk.m0 = m_block * Tr::BLOCK_M;
+    if (blk.m0 >= blk.qr.len) return;   // a varlen sequence shorter than the longest
+    const int m_last = min(blk.m0 + Tr::BLOCK_M, blk.qr.len) - 1;
+    const typename Tr::Mask mask(blk.qr.len, blk.kr.len, p.window_left, p.window_right);
+    blk.tiles = key_tiles<Tr>(mask, blk.m0, m_last, blk.kr.len, blk.split, p.num_splits);
+    body(blk, mask);
   };
+  if constexpr (VARLEN == 1) {
+    tile(num_m - 1 - blockIdx.x, blockIdx.y, blockIdx.z);
+  } else {
+    // pairs: items [0, n_pairs x entries) hold tiles m_blocks - 1 - j and j (j fastest); an
+    // odd m_blocks leaves each entry's middle tile, which come last (half-cost items for the
+    // tail) -- items of both costs in between would meet the same blocks every round.
+    // Visit k: item blockIdx.x + (k >> pairs) x gridDim.x, its tile k & pairs (unsigned: the
+    // divisions by run-time values are shorter); varlen: the block's own tile, once. (The
+    // constants are derived inside the loop, from the params: the consumers keep no
+    // registers for them across a tile.)
 #pragma unroll 1
-  for (int n = 0; n < tiles.n_steps; ++n) {
-    const int s = n % Tr::STAGES, phase = (n / Tr::STAGES) & 1;
-    const int key0 = tiles.tile_of(n) * BN;
-    const u32 v_tile = sm.v_tile(s);
-    if (ptid == 0) {
-      tma_tile(sm.k_tile(s), maps.k, sm.k_full(s), sm.k_empty(s), phase, key0);
-    }
-    if (varlen && key0 + BN > blk.kr.len) {
-      mbar_wait(sm.v_empty(s), phase ^ 1);
-      const T* v_ptr = static_cast<const T*>(p.v) + (long long)blk.kr.start * p.v_stride_row +
-                       blk.kvh * p.v_stride_head;
-      copy_tile<Tr, BN, BN>(v_tile, v_ptr, p.v_stride_row, key0, blk.kr.len, p.head_dim / 8,
-                            ptid);
-      cp_async_commit();
-      cp_async_wait<0>();
-      fence_proxy_async();   // generic-proxy writes, read next by wgmma (the async proxy)
-      named_barrier_sync(Tr::PRODUCER_BARRIER, Tr::PRODUCER_THREADS);
-      if (ptid == 0) mbar_arrive(sm.v_full(s));
-    } else if (ptid == 0) {
-      tma_tile(v_tile, maps.v, sm.v_full(s), sm.v_empty(s), phase, key0);
+    for (unsigned k = 0;; ++k) {
+      const bool varlen = p.cu_seqlens_q != nullptr;
+      const bool pairs = Tr::PAIR_TILES && !varlen;
+      const unsigned entries = p.num_heads * p.batch * (Tr::SPLIT ? p.num_splits : 1);
+      const unsigned n_pairs = pairs ? num_m / 2 : 0;
+      const unsigned num_items = pairs ? (num_m - n_pairs) * entries : num_m * entries;
+      unsigned m_block, head, z;
+      if (varlen) {
+        if (k > 0) break;
+        m_block = num_m - 1 - blockIdx.x;
+        head = blockIdx.y;
+        z = blockIdx.z;
+      } else {
+        unsigned entry;
+        const unsigned w = blockIdx.x + (k >> unsigned(pairs)) * gridDim.x;
+        if (w >= num_items) break;
+        if (!pairs) {
+          entry = w / num_m;
+          m_block = num_m - 1 - w % num_m;
+        } else if (w < n_pairs * entries) {
+          const unsigned j = w % n_pairs;
+          entry = w / n_pairs;
+          m_block = (k & 1) ? j : num_m - 1 - j;
+        } else {
+          if (k & 1) continue;   // a middle tile alone
+          entry = w - n_pairs * entries;
+          m_block = n_pairs;
+        }
+        head = entry % unsigned(p.num_heads);
+        z = entry / unsigned(p.num_heads);
+      }
+      tile(m_block, head, z);
     }
   }
 }
 
-// The cp.async producer (the whole producer warpgroup, thread ptid): the same loads by
-// copy_tile, rows past the sequence and columns past head_dim zero-filled; each thread
-// arrives on a full barrier once its copies of that tile landed.
+// The K / V ring across a block's tiles: its step `step` (counted over every tile so far)
+// uses stage step % STAGES in phase (step / STAGES) & 1.
 template <typename Tr>
-__device__ __forceinline__ void cp_async_produce(const FlashFwdParams& p, const KeyTiles& tiles,
-                                                 Sm90Smem<Tr> sm, const Sm90Block& blk,
+struct RingSlot {
+  int stage, phase;
+  __device__ __forceinline__ explicit RingSlot(int step)
+      : stage(step % Tr::STAGES), phase((step / Tr::STAGES) & 1) {}
+};
+
+// The TMA producer (the producer warpgroup, thread ptid; thread 0 issues every copy), per
+// tile of the schedule: K_0, then Q once the consumers freed the last tile's, then V_0, K_1,
+// V_1, ..., each K / V tile into its ring stage once the consumers freed it. Each box is one
+// 64-column block of a tile (the layout of copy_tile), each barrier expects its tile's bytes
+// (out-of-bounds zeros count too). Dense: the maps' bounds zero-fill rows past the sequence.
+// Varlen (the maps span every packed sequence, batch 1): rows past a sequence are the next
+// one's, harmless in Q (rows never stored) and K (keys masked by select) but not in V, where
+// P = 0 times a non-finite value would still poison the row; so a varlen V tile crossing the
+// sequence's end is copied by the whole warpgroup with cp.async, zero-filled, and thread 0
+// arrives once every thread's copies landed.
+template <typename Tr, bool VARLEN>
+__device__ __forceinline__ void tma_produce(const FlashFwdParams& p, const FlashTmaMaps& maps,
+                                            Sm90Smem<Tr> sm, int ptid) {
+  using T = typename Tr::T;
+  constexpr int BN = Tr::BLOCK_N, COL_BLOCKS = Tr::HEAD_DIM / 64;
+  int step = 0, n_tiles = 0;   // K / V tiles and row tiles loaded so far
+  for_each_tile<Tr, VARLEN ? 1 : -1>(p, [&](const Sm90Block& blk, const typename Tr::Mask&) {
+    const int batch = VARLEN ? 0 : blk.b;   // map coordinates: (column, row, head, batch)
+    auto load_q = [&]() {
+      mbar_wait(sm.q_empty(), (n_tiles & 1) ^ 1);
+      mbar_arrive_expect_tx(sm.q_full(), Tr::Q_BYTES);
+#pragma unroll
+      for (int wg = 0; wg < Tr::NUM_WG; ++wg) {
+#pragma unroll
+        for (int cb = 0; cb < COL_BLOCKS; ++cb) {
+          tma_load_4d(sm.q + wg * Tr::WG_Q_BYTES + cb * (64 * 128), maps.q, sm.q_full(),
+                      cb * 64, blk.qr.start + blk.m0 + wg * 64, blk.head, batch);
+        }
+      }
+    };
+    // Keys key0 .. of K or V into `tile` (thread 0), once the consumers freed it (`empty`).
+    auto tma_tile = [&](u32 tile, const TmaDescriptor& map, u32 full, u32 empty, int phase,
+                        int key0) {
+      mbar_wait(empty, phase ^ 1);
+      mbar_arrive_expect_tx(full, Tr::KV_TILE_BYTES);
+#pragma unroll
+      for (int cb = 0; cb < COL_BLOCKS; ++cb) {
+        tma_load_4d(tile + cb * (BN * 128), map, full, cb * 64, blk.kr.start + key0, blk.kvh,
+                    batch);
+      }
+    };
+    const KeyTiles& tiles = blk.tiles;
+    if (tiles.n_steps == 0 && ptid == 0) load_q();
+#pragma unroll 1
+    for (int n = 0; n < tiles.n_steps; ++n) {
+      const RingSlot<Tr> slot(step + n);
+      const int s = slot.stage;
+      const int key0 = tiles.tile_of(n) * BN;
+      if (ptid == 0) {
+        tma_tile(sm.k_tile(s), maps.k, sm.k_full(s), sm.k_empty(s), slot.phase, key0);
+        if (n == 0) load_q();   // K_0's stage frees before Q does
+      }
+      if (VARLEN && key0 + BN > blk.kr.len) {
+        mbar_wait(sm.v_empty(s), slot.phase ^ 1);
+        const T* v_ptr = static_cast<const T*>(p.v) + (long long)blk.kr.start * p.v_stride_row +
+                         blk.kvh * p.v_stride_head;
+        copy_tile<Tr, BN, BN>(sm.v_tile(s), v_ptr, p.v_stride_row, key0, blk.kr.len,
+                              p.head_dim / 8, ptid);
+        cp_async_commit();
+        cp_async_wait<0>();
+        fence_proxy_async();   // generic-proxy writes, read next by wgmma (the async proxy)
+        named_barrier_sync(Tr::PRODUCER_BARRIER, Tr::PRODUCER_THREADS);
+        if (ptid == 0) mbar_arrive(sm.v_full(s));
+      } else if (ptid == 0) {
+        tma_tile(sm.v_tile(s), maps.v, sm.v_full(s), sm.v_empty(s), slot.phase, key0);
+      }
+    }
+    step += tiles.n_steps;
+    ++n_tiles;
+  });
+}
+
+// The cp.async producer (the whole producer warpgroup, thread ptid): the same loads by
+// copy_tile (Q first), rows past the sequence and columns past head_dim zero-filled; each
+// thread arrives on a full barrier once its copies of that tile landed.
+template <typename Tr>
+__device__ __forceinline__ void cp_async_produce(const FlashFwdParams& p, Sm90Smem<Tr> sm,
                                                  int ptid) {
   using T = typename Tr::T;
   constexpr int BN = Tr::BLOCK_N;
   const int head_dim_chunks = p.head_dim / 8;
-  const SeqRange qr = blk.qr, kr = blk.kr;
-  const int b = blk.b, kvh = blk.kvh;
-  const T* q_ptr = static_cast<const T*>(p.q) + b * p.q_stride_batch +
-                   (long long)qr.start * p.q_stride_row + blk.head * p.q_stride_head;
-  const T* k_ptr = static_cast<const T*>(p.k) + b * p.k_stride_batch +
-                   (long long)kr.start * p.k_stride_row + kvh * p.k_stride_head;
-  const T* v_ptr = static_cast<const T*>(p.v) + b * p.v_stride_batch +
-                   (long long)kr.start * p.v_stride_row + kvh * p.v_stride_head;
-  copy_tile<Tr, Tr::BLOCK_M, 64>(sm.q, q_ptr, p.q_stride_row, blk.m0, qr.len, head_dim_chunks,
-                                 ptid);
-  cp_async_mbar_arrive(sm.q_full());
+  int step = 0, n_tiles = 0;
+  for_each_tile<Tr, -1>(p, [&](const Sm90Block& blk, const typename Tr::Mask&) {
+    const SeqRange qr = blk.qr, kr = blk.kr;
+    const int b = blk.b, kvh = blk.kvh;
+    const T* q_ptr = static_cast<const T*>(p.q) + b * p.q_stride_batch +
+                     (long long)qr.start * p.q_stride_row + blk.head * p.q_stride_head;
+    const T* k_ptr = static_cast<const T*>(p.k) + b * p.k_stride_batch +
+                     (long long)kr.start * p.k_stride_row + kvh * p.k_stride_head;
+    const T* v_ptr = static_cast<const T*>(p.v) + b * p.v_stride_batch +
+                     (long long)kr.start * p.v_stride_row + kvh * p.v_stride_head;
+    mbar_wait(sm.q_empty(), (n_tiles & 1) ^ 1);
+    copy_tile<Tr, Tr::BLOCK_M, 64>(sm.q, q_ptr, p.q_stride_row, blk.m0, qr.len,
+                                   head_dim_chunks, ptid);
+    cp_async_mbar_arrive(sm.q_full());
+    const KeyTiles& tiles = blk.tiles;
 #pragma unroll 1
-  for (int n = 0; n < tiles.n_steps; ++n) {
-    const int s = n % Tr::STAGES, phase = (n / Tr::STAGES) & 1;
-    const int key0 = tiles.tile_of(n) * BN;
-    mbar_wait(sm.k_empty(s), phase ^ 1);
-    copy_tile<Tr, BN, BN>(sm.k_tile(s), k_ptr, p.k_stride_row, key0, kr.len, head_dim_chunks,
-                          ptid);
-    cp_async_mbar_arrive(sm.k_full(s));
-    mbar_wait(sm.v_empty(s), phase ^ 1);
-    copy_tile<Tr, BN, BN>(sm.v_tile(s), v_ptr, p.v_stride_row, key0, kr.len, head_dim_chunks,
-                          ptid);
-    cp_async_mbar_arrive(sm.v_full(s));
-  }
+    for (int n = 0; n < tiles.n_steps; ++n) {
+      const RingSlot<Tr> slot(step + n);
+      const int s = slot.stage;
+      const int key0 = tiles.tile_of(n) * BN;
+      mbar_wait(sm.k_empty(s), slot.phase ^ 1);
+      copy_tile<Tr, BN, BN>(sm.k_tile(s), k_ptr, p.k_stride_row, key0, kr.len, head_dim_chunks,
+                            ptid);
+      cp_async_mbar_arrive(sm.k_full(s));
+      mbar_wait(sm.v_empty(s), slot.phase ^ 1);
+      copy_tile<Tr, BN, BN>(sm.v_tile(s), v_ptr, p.v_stride_row, key0, kr.len, head_dim_chunks,
+                            ptid);
+      cp_async_mbar_arrive(sm.v_full(s));
+    }
+    step += tiles.n_steps;
+    ++n_tiles;
+  });
   cp_async_commit();
   cp_async_wait<0>();   // nothing may still be writing shared memory when the block exits
 }
 
-// Grid, outputs and block order as flash_fwd_kernel; block: THREADS = 128 x (1 + NUM_WG).
-// Block (x, y, z) computes row tile (gridDim.x - 1 - x) of head y, batch z / num_splits,
-// over the key tiles of split z % num_splits.
+// The output of one consumer warp's rows straight from the accumulators (4-byte pairs, not
+// staged through shared memory), so that the block's Q tiles are free for the next row tile
+// as soon as its last S = Q K^T has landed; and the lse when asked.
+template <typename Tr>
+__device__ __forceinline__ void store_output_sm90(
+    const FlashFwdParams& p, const typename WarpSoftmax<Tr>::Rows& rows,
+    const float (&o_acc)[1][Tr::O_N_TILES][4], const Sm90Block& blk, int warp, int g, int t4) {
+  using T = typename Tr::T;
+  const QueryRows<false> qrows{blk.head, 1};
+  const int head_dim_chunks = p.head_dim / 8;
+  T* o_ptr = static_cast<T*>(p.out) + blk.b * p.o_stride_batch +
+             (long long)blk.qr.start * p.o_stride_row + blk.head * p.o_stride_head;
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    const int R = blk.m0 + warp * 16 + g + hr * 8;
+    if (R >= blk.qr.len) continue;
+    const float inv = rows.inv_sum[0][hr];
+    T* row = o_ptr + (long long)R * p.o_stride_row + 2 * t4;
+#pragma unroll
+    for (int nt = 0; nt < Tr::O_N_TILES; ++nt) {
+      if (nt < head_dim_chunks) {
+        *reinterpret_cast<u32*>(row + nt * 8) =
+            pack_pair<T>(o_acc[0][nt][2 * hr] * inv, o_acc[0][nt][2 * hr + 1] * inv);
+      }
+    }
+  }
+  store_lse<Tr>(p, rows, blk.b, qrows, blk.qr.len, blk.qr, blk.m0, warp, g, t4);
+}
+
+// Grid: (min(items, SMs)) for dense calls, (ceil(max_seqlen_q / BLOCK_M), num_heads, batch x
+// num_splits) for varlen ones (for_each_tile); outputs as flash_fwd_kernel; block: THREADS =
+// 128 x (1 + NUM_WG).
 template <typename Tr>
 __device__ void flash_fwd_sm90_kernel(const FlashFwdParams& p, const FlashTmaMaps& maps) {
   using T = typename Tr::T;
   constexpr int BN = Tr::BLOCK_N;
-  constexpr int STAGES = Tr::STAGES;
 
   extern __shared__ __align__(1024) unsigned char smem[];
   const Sm90Smem<Tr> sm{(smem_addr(smem) + 1023u) & ~1023u};
 
   const int tid = threadIdx.x;
-
-  // ---- Phase 0: which rows, which keys (both roles) ---------------------------------------
-  const int m_block = gridDim.x - 1 - blockIdx.x;
-  const int b = Tr::SPLIT ? blockIdx.z / p.num_splits : blockIdx.z;
-  const int split = Tr::SPLIT ? blockIdx.z % p.num_splits : 0;
-  const int head = blockIdx.y;
-  const SeqRange qr = seq_range(p.cu_seqlens_q, b, p.seqlen_q);
-  const SeqRange kr = seq_range(p.cu_seqlens_k, b, p.seqlen_k);
-  const int sq = qr.len, sk = kr.len;
-  const int m0 = m_block * Tr::BLOCK_M;
-  if (m0 >= sq) return;
-  const int m_last = min(m0 + Tr::BLOCK_M, sq) - 1;
-  const typename Tr::Mask mask(sq, sk, p.window_left, p.window_right);
-  const int head_dim_chunks = p.head_dim / 8;
-  const KeyTiles tiles = key_tiles<Tr>(mask, m0, m_last, sk, split, p.num_splits);
-  const int n_steps = tiles.n_steps;
-
   if (tid == 0) {
     mbar_init(sm.q_full(), Tr::FULL_ARRIVALS);
+    mbar_init(sm.q_empty(), Tr::CONSUMER_THREADS);
 #pragma unroll
-    for (int s = 0; s < STAGES; ++s) {
+    for (int s = 0; s < Tr::STAGES; ++s) {
       mbar_init(sm.k_full(s), Tr::FULL_ARRIVALS);
       mbar_init(sm.v_full(s), Tr::FULL_ARRIVALS);
       mbar_init(sm.k_empty(s), Tr::CONSUMER_THREADS);
@@ -311,38 +434,57 @@ __device__ void flash_fwd_sm90_kernel(const FlashFwdParams& p, const FlashTmaMap
   }
   __syncthreads();
 
-  // ---- the producer warpgroup: Q, then K_n and V_n into stage n % STAGES once free --------
+  // ---- the producer warpgroup ----------------------------------------------------------------
   if (tid < Tr::PRODUCER_THREADS) {
     setmaxnreg_dec<Tr::PRODUCER_REGS>();
-    const Sm90Block blk{qr, kr, m0, head, head / p.head_group, b};
     if constexpr (Tr::TMA) {
-      tma_produce<Tr>(p, maps, tiles, sm, blk, tid);
+      if (tid == 0) {
+        tma_prefetch(maps.q);
+        tma_prefetch(maps.k);
+        tma_prefetch(maps.v);
+      }
+      if (p.cu_seqlens_q != nullptr) {   // (varlen: cu_seqlens_k too)
+        tma_produce<Tr, true>(p, maps, sm, tid);
+      } else if (tid == 0) {
+        tma_produce<Tr, false>(p, maps, sm, tid);
+      }
     } else {
-      cp_async_produce<Tr>(p, tiles, sm, blk, tid);
+      cp_async_produce<Tr>(p, sm, tid);
     }
-  } else {
+    return;
+  }
 
-    // ---- the consumer warpgroups --------------------------------------------------------------
-    setmaxnreg_inc<Tr::CONSUMER_REGS>();
-    const int ctid = tid - Tr::PRODUCER_THREADS;
-    const int warp = ctid / 32;   // consumer warp: rows 16 warp .. of the block's tile
-    const int wg = warp / 4;
-    const int lane = ctid % 32;
-    const int g = lane / 4;
-    const int t4 = lane % 4;
+  // ---- the consumer warpgroups ---------------------------------------------------------------
+  setmaxnreg_inc<Tr::CONSUMER_REGS>();
+  // This thread's place: consumer warp `warp` (rows 16 warp .. of each row tile), rows g and
+  // g + 8 of the warp's 16, columns 2 t4 and 2 t4 + 1 of each n8 tile; read afresh where
+  // used (thread_index_now), since held across a tile these are what spilled first.
+  struct Place {
+    int warp, g, t4;
+  };
+  auto place = []() {
+    const int ctid = thread_index_now() - Tr::PRODUCER_THREADS;
+    return Place{ctid / 32, ctid % 32 / 4, ctid % 4};
+  };
 
-    // Descriptors: this warpgroup's Q rows (k16 step ks: column block ks / 4, 32 bytes per
-    // step inside it), a K tile likewise, a V tile by k16 step of keys (16 rows of 128
-    // bytes) with its 64-column blocks BN x 128 bytes apart.
-    const u32 q_wg = sm.q + wg * Tr::WG_Q_BYTES;
-    auto q_desc = [&](int ks) { return sw128_desc(q_wg + (ks / 4) * (64 * 128) + (ks % 4) * 32); };
-    auto k_desc = [&](int s, int ks) {
-      return sw128_desc(sm.k_tile(s) + (ks / 4) * (BN * 128) + (ks % 4) * 32);
-    };
-    auto v_desc = [&](int s, int kk) {
-      return sw128_desc(sm.v_tile(s) + kk * (16 * 128), BN * 128);
-    };
+  // Descriptors: this warpgroup's Q rows from q_wg (k16 step ks: column block ks / 4, 32
+  // bytes per step inside it), a K tile likewise, a V tile by k16 step of keys (16 rows of
+  // 128 bytes) with its 64-column blocks BN x 128 bytes apart.
+  auto q_desc = [&](u32 q_wg, int ks) {
+    return sw128_desc(q_wg + (ks / 4) * (64 * 128) + (ks % 4) * 32);
+  };
+  auto k_desc = [&](int s, int ks) {
+    return sw128_desc(sm.k_tile(s) + (ks / 4) * (BN * 128) + (ks % 4) * 32);
+  };
+  auto v_desc = [&](int s, int kk) {
+    return sw128_desc(sm.v_tile(s) + kk * (16 * 128), BN * 128);
+  };
 
+  int step = 0, n_tiles = 0;   // K / V tiles and row tiles consumed so far
+  for_each_tile<Tr, -1>(p, [&](const Sm90Block& blk, const typename Tr::Mask& mask) {
+    const KeyTiles& tiles = blk.tiles;
+    const int n_steps = tiles.n_steps;
+    const int sk = blk.kr.len;
     float o_acc[1][Tr::O_N_TILES][4];
 #pragma unroll
     for (int nt = 0; nt < Tr::O_N_TILES; ++nt) {
@@ -353,38 +495,47 @@ __device__ void flash_fwd_sm90_kernel(const FlashFwdParams& p, const FlashTmaMap
     u32 p_pack[1][Tr::PV_K_STEPS][4];
     float alpha[1][2];
     WarpSoftmax<Tr> softmax(p.scale_log2);
-    const int row0 = m0 + warp * 16 + g;   // this thread's rows: row0 and row0 + 8
+
     float slope = 0.f;
     if constexpr (Tr::ALIBI) {
-      slope = static_cast<const float*>(p.alibi_slopes)[head] * p.softmax_scale_inv;
+      slope = static_cast<const float*>(p.alibi_slopes)[blk.head] * p.softmax_scale_inv;
     }
     const typename Tr::Logits hook(slope, p.softcap_in, p.softcap_out);
 
     // S = Q K^T of step n into s_acc (issued, committed; the caller waits)
     auto issue_qk = [&](int n) {
-      const int s = n % STAGES;
-      mbar_wait(sm.k_full(s), (n / STAGES) & 1);
+      const RingSlot<Tr> slot(step + n);
+      const u32 q_wg = sm.q + (place().warp / 4) * Tr::WG_Q_BYTES;
+      mbar_wait(sm.k_full(slot.stage), slot.phase);
 #pragma unroll
       for (int ks = 0; ks < Tr::QK_K_STEPS; ++ks) {
-        Wgmma<T, BN>::ss(s_acc[0], q_desc(ks), k_desc(s, ks), ks > 0);
+        Wgmma<T, BN>::ss(s_acc[0], q_desc(q_wg, ks), k_desc(slot.stage, ks), ks > 0);
       }
       wgmma_commit();
     };
     // O += P V of step n (P in p_pack; issued, committed)
     auto issue_pv = [&](int n) {
-      const int s = n % STAGES;
-      mbar_wait(sm.v_full(s), (n / STAGES) & 1);
+      const RingSlot<Tr> slot(step + n);
+      mbar_wait(sm.v_full(slot.stage), slot.phase);
 #pragma unroll
       for (int kk = 0; kk < Tr::PV_K_STEPS; ++kk) {
-        Wgmma<T, Tr::HEAD_DIM>::rs(o_acc[0], p_pack[0][kk], v_desc(s, kk), 1);
+        Wgmma<T, Tr::HEAD_DIM>::rs(o_acc[0], p_pack[0][kk], v_desc(slot.stage, kk), 1);
       }
       wgmma_commit();
     };
+    // S_n has landed: free its K stage, and the Q tiles after the tile's last S.
+    auto release_k = [&](int n) {
+      mbar_arrive(sm.k_empty(RingSlot<Tr>(step + n).stage));
+      if (n == n_steps - 1) mbar_arrive(sm.q_empty());
+    };
+    auto release_v = [&](int n) { mbar_arrive(sm.v_empty(RingSlot<Tr>(step + n).stage)); };
     // Step n's scores (landed): the logits hook, -inf outside the band / sequence on boundary
     // tiles, then the online softmax (P in place, alpha for the accumulator).
     auto softmax_step = [&](int n) {
+      const Place at = place();
+      const int row0 = blk.m0 + at.warp * 16 + at.g;   // this thread's rows: row0, row0 + 8
       hook_and_mask<Tr>(
-          s_acc, n < tiles.n_masked, tiles.tile_of(n) * BN, t4, mask, sk,
+          s_acc, n < tiles.n_masked, tiles.tile_of(n) * BN, at.t4, mask, sk,
           [&](int, int hr) { return row0 + hr * 8; },
           [&](int, int) -> const typename Tr::Logits& { return hook; });
       // (MAY_BE_EMPTY: only a band can leave a visited row without keys; see flash_fwd.cuh)
@@ -396,14 +547,15 @@ __device__ void flash_fwd_sm90_kernel(const FlashFwdParams& p, const FlashTmaMap
     };
 
     // ---- the key loop: S_n in flight with O += P_{n-1} V_{n-1}; softmax of S_n under the
-    // latter; O rescaled once it has landed ------------------------------------------------------
-    mbar_wait(sm.q_full(), 0);
+    // latter; O rescaled once it has landed ------------------------------------------------
+    mbar_wait(sm.q_full(), n_tiles & 1);
+    if (n_steps == 0) mbar_arrive(sm.q_empty());
     if (n_steps > 0) {
       wgmma_fence();
       issue_qk(0);
       wgmma_wait<0>();
       fence_regs(s_acc[0]);
-      mbar_arrive(sm.k_empty(0));
+      release_k(0);
       softmax_step(0);
       pack_p();
 #pragma unroll 1
@@ -413,12 +565,12 @@ __device__ void flash_fwd_sm90_kernel(const FlashFwdParams& p, const FlashTmaMap
         issue_pv(n - 1);
         wgmma_wait<1>();   // S_n has landed
         fence_regs(s_acc[0]);
-        mbar_arrive(sm.k_empty(n % STAGES));
+        release_k(n);
         softmax_step(n);
         wgmma_wait<0>();   // O += P_{n-1} V_{n-1} has landed
         fence_regs(o_acc[0]);
         fence_regs(s_acc[0]);   // P_n is packed only now: p_pack may still feed the last wgmma
-        mbar_arrive(sm.v_empty((n - 1) % STAGES));
+        release_v(n - 1);
 #pragma unroll
         for (int nt = 0; nt < Tr::O_N_TILES; ++nt) {
           o_acc[0][nt][0] *= alpha[0][0];
@@ -432,26 +584,26 @@ __device__ void flash_fwd_sm90_kernel(const FlashFwdParams& p, const FlashTmaMap
       issue_pv(n_steps - 1);
       wgmma_wait<0>();
       fence_regs(o_acc[0]);
-      mbar_arrive(sm.v_empty((n_steps - 1) % STAGES));
+      release_v(n_steps - 1);
     }
-    // This warpgroup's wgmmas have read its Q tile; the epilogue reuses it.
-    named_barrier_sync(1 + wg, 128);   // (ids: see PRODUCER_BARRIER)
 
-    // ---- whole rows, then the epilogue -----------------------------------------------------------
+    // ---- whole rows, then the epilogue ---------------------------------------------------------
     constexpr bool FINISH_SINKS = Tr::SINKS && !Tr::SPLIT;
     float sink[1][2];
     sink[0][0] = sink[0][1] =
-        FINISH_SINKS ? static_cast<const float*>(p.sinks)[head] * p.softmax_scale_inv : 0.f;
+        FINISH_SINKS ? static_cast<const float*>(p.sinks)[blk.head] * p.softmax_scale_inv : 0.f;
     const auto rows = softmax.template finish<FINISH_SINKS>(sink);
-    const QueryRows<false> qrows{head, 1};
+    const Place at = place();
     if constexpr (Tr::SPLIT) {
-      store_partials<Tr>(p, rows, o_acc, b, qrows, sq, split, qr, m0, warp, g, t4,
-                         head_dim_chunks);
+      const QueryRows<false> qrows{blk.head, 1};
+      store_partials<Tr>(p, rows, o_acc, blk.b, qrows, blk.qr.len, blk.split, blk.qr, blk.m0,
+                         at.warp, at.g, at.t4, p.head_dim / 8);
     } else {
-      store_output<Tr>(p, rows, o_acc, sm.q, b, qrows, sq, qr, m0, warp, lane, g, t4,
-                       head_dim_chunks);
+      store_output_sm90<Tr>(p, rows, o_acc, blk, at.warp, at.g, at.t4);
     }
-  }
+    step += n_steps;
+    ++n_tiles;
+  });
 }
 
 }  // namespace cuattn

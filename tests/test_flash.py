@@ -481,6 +481,36 @@ def test_num_splits_match_unsplit(rng, hd, sq, sk, causal):
     check_close(out, lse, q, k, v, causal=causal)
 
 
+# More row tiles than an H200 has SMs: the Hopper kernel's blocks each walk several of them
+# (under a causal mask in heavy + light pairs; an odd count per head leaves a middle tile
+# alone), across heads and batch entries; sq != sk moves the causal diagonal.
+_MANY_TILES = [(64, 1200, 1300), (128, 1100, 900), (256, 600, 1400)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hd,sq,sk", _MANY_TILES, ids=[f"d{h}-{a}x{b}" for h, a, b in _MANY_TILES])
+@pytest.mark.parametrize("causal", [False, True], ids=["nc", "c"])
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_more_row_tiles_than_sms(rng, flash_path, hd, sq, sk, causal, num_splits):
+    import cupy
+    batch, h, hkv = 4, 16, 4
+    if flash_path == "wgmma":
+        v = tuning.flash_kernel_variant("bf16", hd, mask=MASK_CAUSAL if causal else MASK_NONE,
+                                        split=num_splits > 1, arch="sm_90", features=0, tma=True)
+        m_blocks = -(-sq // v.block_m)
+        assert m_blocks % 2 == 1, "an odd tile count per head: a pair's middle tile alone"
+        items = (-(-m_blocks // 2) if causal else m_blocks) * h * batch * num_splits
+        sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
+        assert items > sms, (items, sms)
+    q = _randn(rng, (batch, sq, h, hd), BF16)
+    k = _randn(rng, (batch, sk, hkv, hd), BF16)
+    v = _randn(rng, (batch, sk, hkv, hd), BF16)
+    out = _poisoned(q.shape, BF16)
+    _, lse = cuattn.flash_forward(q, k, v, causal=causal, num_splits=num_splits,
+                                  return_lse=True, out=out)
+    check_close(out, lse, q, k, v, causal=causal)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_splits", [1, 4])
 def test_two_identical_calls_are_bit_identical(rng, num_splits):

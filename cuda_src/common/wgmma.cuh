@@ -30,6 +30,14 @@ __device__ __forceinline__ u64 sw128_desc(u32 addr, u32 lbo_bytes = 16) {
          ((u64)(1024 >> 4) << 32) | (1ull << 62);
 }
 
+// threadIdx.x read anew at each use (asm volatile: neither hoisted nor merged), for a value
+// the compiler would otherwise hold in a register across a long loop, or spill.
+__device__ __forceinline__ int thread_index_now() {
+  int tid;
+  asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(tid));
+  return tid;
+}
+
 // ---- ordering --------------------------------------------------------------------------------
 // Before a wgmma whose accumulators (or register A) ordinary instructions wrote.
 __device__ __forceinline__ void wgmma_fence() {

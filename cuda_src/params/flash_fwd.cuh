@@ -60,6 +60,7 @@ struct FlashFwdParams {
   float softcap_in;           // softcap: softmax_scale / cap (common/logits.cuh)
   float softcap_out;          // softcap: cap / softmax_scale
   float k_scale, v_scale;     // fp8 caches: K and V are e4m3 values times these (else 1)
+  int m_blocks;               // row tiles per (head, batch x split): ceil(rows / BLOCK_M) (the Hopper kernel's schedule)
 };
 
 }  // namespace cuattn
