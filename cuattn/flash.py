@@ -330,8 +330,10 @@ def _plan(c: Call) -> Plan:
     if split:
         slot_of.update(oaccum=slots.scratch(0), lseaccum=slots.scratch(1))
     ptr_slots = tuple(slot_of.get(n, NULL) for n in FLASH_PARAMS.pointer_names())
-    extra = None
-    if isinstance(variant, FlashFwdSm90Variant):     # it takes tensor maps (zeros: cp.async)
+    grid, extra = (m_blocks, grid_y, c.batch * num_splits), None
+    if isinstance(variant, FlashFwdSm90Variant):     # its own grid; tensor maps (zeros: cp.async)
+        grid = variant.grid(m_blocks, grid_y, c.batch * num_splits,
+                            varlen="cu_seqlens_q" in c.args, sm_count=device.sm_count)
         qkv_slots = (slot_of["q"], slot_of["k"], slot_of["v"])
         extra = _tma.FlashMaps(c.dtype.short, *c.qkv, qkv_slots, variant.block_n) \
             if variant.tma else _tma.no_maps
@@ -344,14 +346,6 @@ def _plan(c: Call) -> Plan:
         head_dim=head_dim, window_left=wl, window_right=wr, num_splits=num_splits,
         scale_log2=c.softmax_scale * A.LOG2E, softmax_scale_inv=1.0 / c.softmax_scale,
         m_blocks=m_blocks, **hook_fields(c.softcap, c.softmax_scale), **fields)
-    grid = (m_blocks, grid_y, c.batch * num_splits)
-    if isinstance(variant, FlashFwdSm90Variant):
-        # flash_fwd_sm90.cuh for_each_tile: varlen calls one block per row tile (the grid
-        # above); dense ones one block per SM (its registers allow no second) striding over
-        # the items, which are pairs of row tiles under a causal mask.
-        if "cu_seqlens_q" not in c.args:
-            per_entry = -(-m_blocks // 2) if variant.mask == MASK_CAUSAL else m_blocks
-            grid = (min(per_entry * grid_y * c.batch * num_splits, device.sm_count),)
     with cupy.cuda.Device(c.device_id):
         launches = [Launch(get_kernel(variant, c.device_id), grid,
                            (variant.num_threads,), variant.dynamic_smem_bytes,

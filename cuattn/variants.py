@@ -230,6 +230,17 @@ class FlashFwdSm90Variant(Variant):
         return 1024 + 2 * self.head_dim * (self.block_m + 2 * self.stages * self.block_n) + \
             8 * (2 + 4 * self.stages)
 
+    def grid(self, m_blocks: int, heads: int, entries_z: int, *, varlen: bool,
+             sm_count: int) -> tuple:
+        """The launch grid for m_blocks row tiles per (head, batch x split) entry
+        (flash_fwd_sm90.cuh for_each_tile): varlen calls one block per row tile; dense ones
+        one block per SM (its registers allow no second) striding over the items, which pair
+        the row tiles under a causal mask."""
+        if varlen:
+            return (m_blocks, heads, entries_z)
+        per_entry = -(-m_blocks // 2) if self.mask == MASK_CAUSAL else m_blocks
+        return (min(per_entry * heads * entries_z, sm_count),)
+
     def target_arch(self, device_arch: str) -> str:
         return "sm_90a"   # wgmma exists only in the arch-specific target
 

@@ -105,6 +105,17 @@ def test_tiles_fit_shared_memory_and_the_heavy_rule():
             assert (v.block_m, v.block_n, v.stages) == (want.block_m, want.block_n, want.stages)
 
 
+def test_the_grid_rule():
+    """Dense calls: one block per SM at most, over items that pair row tiles under a causal
+    mask (9 tiles: 4 pairs and a middle one); varlen calls: one block per row tile."""
+    causal = tuning.flash_sm90_variant("bf16", 128, mask=MASK_CAUSAL, split=False, tma=True)
+    full = tuning.flash_sm90_variant("bf16", 128, mask=MASK_NONE, split=False, tma=True)
+    assert causal.grid(9, 1, 1, varlen=False, sm_count=132) == (5,)
+    assert full.grid(9, 1, 1, varlen=False, sm_count=132) == (9,)
+    assert causal.grid(9, 16, 4, varlen=False, sm_count=132) == (132,)
+    assert causal.grid(9, 16, 4, varlen=True, sm_count=132) == (9, 16, 4)
+
+
 def test_the_path_rule():
     assert tuning.flash_path("sm_90", 128) == "wgmma"
     assert tuning.flash_path("sm_90", 64) == "wgmma"
