@@ -297,7 +297,8 @@ def _plan(c: Call) -> Plan:
         if c.variant_for is not None:
             return c.variant_for(split, mask)
         return tuning.flash_kernel_variant(c.dtype.short, head_dim, mask=mask, split=split,
-                                           arch=arch, features=c.features, tma=tma)
+                                           arch=arch, features=c.features, tma=tma,
+                                           seqlen_q=c.max_sq)
     base = variant_for(False)
     rows = c.max_sq * c.pack
     m_blocks = -(-rows // base.block_m)

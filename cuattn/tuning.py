@@ -233,20 +233,26 @@ class FlashSm90Tiles:
 #          192x80x2 560/587 | 459/542   192x64x2 543/540 | 446/505
 #   hd256: 128x80x2 676/686 | 521/601   128x64x2 560/663 | 503/570  128x48x3 515/548 | 451/481
 # hd192 is a first guess (BN 96 spilled in the hooked forms of stage 1).
-FLASH_SM90_TILES = {
-    64: FlashSm90Tiles(192, 128, 2),    # smem 89 KB
-    128: FlashSm90Tiles(128, 128, 2),   # smem 161 KB
-    192: FlashSm90Tiles(128, 64, 2),    # smem 145 KB
-    256: FlashSm90Tiles(128, 80, 2),    # smem 225 KB
+FLASH_SM90_TILES = {               # (smem with the O tile of the non-split forms)
+    64: FlashSm90Tiles(192, 128, 2),    # smem 113 KB
+    128: FlashSm90Tiles(128, 128, 2),   # smem 193 KB
+    192: FlashSm90Tiles(128, 64, 2),    # smem 193 KB
+    256: FlashSm90Tiles(128, 80, 2),    # smem 225 KB (no O tile: O staged in the Q tiles)
 }
 # Forms that need more registers than those tiles leave them: a logits hook (softcap, ALiBi)
 # or a window (more per score: 12-56 B of spills at the tiles above), or the cp.async
 # producer (its 40 registers leave three consumers 152: spills). They take tiles where no
-# form spills (at hd256 128x64x2 spilled too, in causal ALiBi).
+# form spills (at hd256 128x64x2 spilled too, in causal ALiBi); so do short causal calls
+# (FLASH_SM90_SHORT_CAUSAL).
 FLASH_SM90_TILES_HEAVY = {
     64: FlashSm90Tiles(128, 128, 2),
     256: FlashSm90Tiles(128, 48, 3),    # smem 209 KB
 }
+# Causal calls of at most this many query rows take the heavy tiles at these head dims: at
+# hd64 the 192-row tiles cut the diagonal coarsely (S 512: 70% of the visited scores are
+# needed, against 80% with 128 rows). MEASURED (bench/NOTES.md "Stage 5", time of 128x128x2
+# over 192x128x2): S512 0.89, S1024 0.86, S2048 1.06, S4096 1.10; full: 1.09-1.22.
+FLASH_SM90_SHORT_CAUSAL = {64: 1024}
 
 
 def sm90_head_dim(head_dim: int) -> int:
@@ -268,12 +274,17 @@ def flash_path(arch: str, head_dim: int) -> str:
 
 
 def flash_sm90_variant(dtype: str, head_dim: int, *, mask: int, split: bool,
-                       features: int = 0, tma: bool = False) -> FlashFwdSm90Variant:
+                       features: int = 0, tma: bool = False,
+                       seqlen_q: int | None = None) -> FlashFwdSm90Variant:
     """The Hopper forward kernel for a real head dim, a mask kind, split-KV or not, the
-    call's FEAT_* bits, and whether its producer loads by TMA (a call whose Q / K / V tensor
-    maps describe, cuattn._tma.encodable) or by cp.async."""
+    call's FEAT_* bits, whether its producer loads by TMA (a call whose Q / K / V tensor
+    maps describe, cuattn._tma.encodable) or by cp.async, and the call's (longest) query
+    length (None: long)."""
     hd = sm90_head_dim(head_dim)
-    heavy = not tma or mask == MASK_WINDOW or features & (FEAT_SOFTCAP | FEAT_ALIBI)
+    short_causal = mask == MASK_CAUSAL and seqlen_q is not None and \
+        seqlen_q <= FLASH_SM90_SHORT_CAUSAL.get(hd, 0)
+    heavy = not tma or mask == MASK_WINDOW or features & (FEAT_SOFTCAP | FEAT_ALIBI) or \
+        short_causal
     t = _overrides.get("flash_sm90_tiles") or \
         (FLASH_SM90_TILES_HEAVY if heavy else FLASH_SM90_TILES).get(hd, FLASH_SM90_TILES[hd])
     return FlashFwdSm90Variant(dtype, hd, t.block_m, t.block_n, t.stages, mask, split, features,
@@ -281,12 +292,13 @@ def flash_sm90_variant(dtype: str, head_dim: int, *, mask: int, split: bool,
 
 
 def flash_kernel_variant(dtype: str, head_dim: int, *, mask: int, split: bool, arch: str,
-                         features: int = 0, tma: bool = False):
-    """The kernel of a dense flash_forward / flash_varlen_forward call: the Hopper one where
-    flash_path picks it (by TMA where ``tma``), else the mma.sync one."""
+                         features: int = 0, tma: bool = False, seqlen_q: int | None = None):
+    """The kernel of a dense flash_forward / flash_varlen_forward call (its longest query
+    length seqlen_q): the Hopper one where flash_path picks it (by TMA where ``tma``), else
+    the mma.sync one."""
     if flash_path(arch, head_dim) == "wgmma":
         return flash_sm90_variant(dtype, head_dim, mask=mask, split=split, features=features,
-                                  tma=tma)
+                                  tma=tma, seqlen_q=seqlen_q)
     return flash_forward_variant(dtype, head_dim, mask=mask, split=split, arch=arch,
                                  features=features)
 
@@ -572,8 +584,11 @@ def _shipped_flash() -> list:
                                                          arch=arch))
             for mask in (MASK_NONE, MASK_CAUSAL):
                 for split in (False, True):
-                    # (the cp.async form, for strides no tensor map takes, compiles on use)
-                    out.append(flash_sm90_variant(dt, hd, mask=mask, split=split, tma=True))
+                    # (the cp.async form, for strides no tensor map takes, compiles on use;
+                    # seqlen_q 1: the short causal tiles)
+                    for seqlen_q in (None, 1):
+                        out.append(flash_sm90_variant(dt, hd, mask=mask, split=split, tma=True,
+                                                      seqlen_q=seqlen_q))
             out.append(flash_combine_variant(dt, hd))
     return out
 

@@ -226,9 +226,12 @@ class FlashFwdSm90Variant(Variant):
     @property
     def dynamic_smem_bytes(self) -> int:
         # 1024 B of alignment slack + Q tile + STAGES x (K tile + V tile), 2-byte elements,
-        # + the mbarriers (pinned to Traits::SMEM_BYTES)
-        return 1024 + 2 * self.head_dim * (self.block_m + 2 * self.stages * self.block_n) + \
+        # + the mbarriers, + an O tile where it fits in 227 KB and the kernel stores T
+        # (pinned to Traits::SMEM_BYTES)
+        without_o = 1024 + 2 * self.head_dim * (self.block_m + 2 * self.stages * self.block_n) + \
             8 * (2 + 4 * self.stages)
+        o_tile = 2 * self.head_dim * self.block_m
+        return without_o + (o_tile if not self.split and without_o + o_tile <= 227 * 1024 else 0)
 
     def grid(self, m_blocks: int, heads: int, entries_z: int, *, varlen: bool,
              sm_count: int) -> tuple:

@@ -694,12 +694,12 @@ __device__ __forceinline__ void store_lse(const FlashFwdParams& p,
   }
 }
 
-// The output: O -> T in this warp's own rows of the Q tile (smem_q), then 16-byte stores;
-// and the lse when asked.
+// The output: O -> T in this warp's own rows of a BLOCK_M x HEAD_DIM shared-memory tile at
+// smem_o (flash_fwd_kernel: the Q tile), then 16-byte stores; and the lse when asked.
 template <typename Tr>
 __device__ __forceinline__ void store_output(
     const FlashFwdParams& p, const typename WarpSoftmax<Tr>::Rows& rows,
-    const float (&o_acc)[Tr::M_TILES][Tr::O_N_TILES][4], u32 smem_q, int b,
+    const float (&o_acc)[Tr::M_TILES][Tr::O_N_TILES][4], u32 smem_o, int b,
     const QueryRows<Tr::PACK_GQA>& qrows, int num_rows, const SeqRange& qr, int m0, int warp,
     int lane, int g, int t4, int head_dim_chunks) {
   using T = typename Tr::T;
@@ -717,7 +717,7 @@ __device__ __forceinline__ void store_output(
 #pragma unroll
       for (int nt = 0; nt < Tr::O_N_TILES; ++nt) {
         const u32 packed = pack_pair<T>(o_acc[mt][nt][2 * hr] * inv, o_acc[mt][nt][2 * hr + 1] * inv);
-        const u32 addr = smem_q + swizzled_offset<D_CHUNKS>(r, nt) + t4 * 4;
+        const u32 addr = smem_o + swizzled_offset<D_CHUNKS>(r, nt) + t4 * 4;
         asm volatile("st.shared.u32 [%0], %1;\n" :: "r"(addr), "r"(packed));
       }
     }
@@ -733,7 +733,7 @@ __device__ __forceinline__ void store_output(
     const int R = m0 + r;
     if (R < num_rows && ch < head_dim_chunks) {
       Vec16 v16;
-      const u32 addr = smem_q + swizzled_offset<D_CHUNKS>(r, ch);
+      const u32 addr = smem_o + swizzled_offset<D_CHUNKS>(r, ch);
       asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
                    : "=r"(v16.raw.x), "=r"(v16.raw.y), "=r"(v16.raw.z), "=r"(v16.raw.w)
                    : "r"(addr));

@@ -8,8 +8,9 @@
 // with setmaxnreg moving registers from the producer to them. Inside a consumer warpgroup
 // the softmax of tile n runs while O += P V of tile n-1 is in flight (intra-warpgroup
 // overlap). Dense calls run a persistent grid (for_each_tile): each block walks several row
-// tiles, and the producer loads the next one's Q and K / V under the last steps and the
-// epilogue of the current one. The consumers' accumulators have mma.sync's fragment layout,
+// tiles, and the producer loads the next one's K / V (and Q, where O has a tile of its own)
+// under the last steps and the epilogue of the current one. The consumers' accumulators
+// have mma.sync's fragment layout,
 // so the online softmax, the mask, the logits hooks, the key-tile order and the split-KV
 // epilogue are flash_fwd.cuh's parts.
 #pragma once
@@ -59,14 +60,22 @@ struct FlashFwdSm90Traits : FlashFeatures<FEATURES_> {
   static constexpr int STORE_UNROLL = Q_LOADS_PER_LANE;
 
   // Shared memory (tiles 128-byte swizzled, common/wgmma.cuh): one 64-row Q tile per
-  // consumer warpgroup, the K ring, the V ring (tiles [key][dim]), then the mbarriers: Q
-  // full / empty, K full / empty and V full / empty per stage. 1024 bytes of slack align the
-  // base to the swizzle's 1024-byte period.
+  // consumer warpgroup, the K ring, the V ring (tiles [key][dim]), the O tile where it fits,
+  // then the mbarriers: Q full / empty, K full / empty and V full / empty per stage. 1024
+  // bytes of slack align the base to the swizzle's 1024-byte period. The epilogue stages O
+  // (as T) through shared memory for 16-byte stores: through a tile of its own where the
+  // block's 227 KB hold one (O_TILE), so that the next row tile's Q loads under it; else
+  // through the Q tiles (O_IN_Q: hd256), which are then released only after the epilogue.
+  // (SPLIT stores fp32 partials straight from the accumulators: neither.)
   static constexpr int WG_Q_BYTES = 64 * HEAD_DIM * 2;
   static constexpr int Q_BYTES = BLOCK_M * HEAD_DIM * 2;
   static constexpr int KV_TILE_BYTES = BLOCK_N * HEAD_DIM * 2;
+  static constexpr int O_BYTES = Q_BYTES;
   static constexpr int BAR_BYTES = 8 * (2 + 4 * STAGES);
-  static constexpr int SMEM_BYTES = 1024 + Q_BYTES + 2 * STAGES * KV_TILE_BYTES + BAR_BYTES;
+  static constexpr int SMEM_NO_O = 1024 + Q_BYTES + 2 * STAGES * KV_TILE_BYTES + BAR_BYTES;
+  static constexpr bool O_TILE = !SPLIT && SMEM_NO_O + O_BYTES <= 227 * 1024;
+  static constexpr bool O_IN_Q = !SPLIT && !O_TILE;
+  static constexpr int SMEM_BYTES = SMEM_NO_O + (O_TILE ? O_BYTES : 0);
   // A full barrier's arrivals: the one TMA-issuing thread (its expect_tx carries the bytes),
   // or every producer thread (cp.async.mbarrier.arrive once its copies landed).
   static constexpr int FULL_ARRIVALS = TMA ? 1 : PRODUCER_THREADS;
@@ -154,14 +163,16 @@ struct FlashTmaMaps {
 };
 
 // The block's shared memory from its 1024-aligned base (Tr::SMEM_BYTES' layout): the Q
-// tiles, the K ring, the V ring, then the pipeline's mbarriers: Q full, Q empty, then per
-// stage K full, K empty, V full, V empty.
+// tiles, the K ring, the V ring, the O tile (Tr::O_TILE; else O is staged in the Q tiles),
+// then the pipeline's mbarriers: Q full, Q empty, then per stage K full, K empty, V full,
+// V empty.
 template <typename Tr>
 struct Sm90Smem {
   u32 q;
   __device__ u32 k_tile(int s) const { return q + Tr::Q_BYTES + s * Tr::KV_TILE_BYTES; }
   __device__ u32 v_tile(int s) const { return k_tile(Tr::STAGES + s); }
-  __device__ u32 q_full() const { return v_tile(Tr::STAGES); }
+  __device__ u32 o_stage() const { return Tr::O_TILE ? v_tile(Tr::STAGES) : q; }
+  __device__ u32 q_full() const { return v_tile(Tr::STAGES) + (Tr::O_TILE ? Tr::O_BYTES : 0); }
   __device__ u32 q_empty() const { return q_full() + 8; }
   __device__ u32 k_full(int s) const { return q_full() + 8 * (2 + s); }
   __device__ u32 k_empty(int s) const { return q_full() + 8 * (2 + Tr::STAGES + s); }
@@ -170,11 +181,14 @@ struct Sm90Smem {
 };
 
 // One row tile's work: its sequence's query rows and keys, its first row, query head, KV
-// head, batch entry and split, and the key tiles it visits.
+// head, batch entry and split, the key tiles it visits; and its place in the block's
+// pipeline: the K / V ring step of its first key tile (steps counted over the block's tiles
+// so far, RingSlot) and the phase of its Q barriers (the block's tile count, mod 2).
 struct Sm90Block {
   SeqRange qr, kr;
   int m0, head, kvh, b, split;
   KeyTiles tiles;
+  int first_step, q_phase;
 };
 
 // The schedule, which both roles walk. Dense calls launch one block per SM (a persistent
@@ -191,6 +205,7 @@ struct Sm90Block {
 template <typename Tr, int VARLEN, typename F>
 __device__ __forceinline__ void for_each_tile(const FlashFwdParams& p, F&& body) {
   const unsigned num_m = p.m_blocks;
+  int step = 0, n_tiles = 0;   // K / V tiles and row tiles walked so far
   auto tile = [&](unsigned m_block, unsigned head, unsigned z) {
     Sm90Block blk;
     blk.b = Tr::SPLIT ? z / unsigned(p.num_splits) : z;
@@ -204,7 +219,11 @@ __device__ __forceinline__ void for_each_tile(const FlashFwdParams& p, F&& body)
     const int m_last = min(blk.m0 + Tr::BLOCK_M, blk.qr.len) - 1;
     const typename Tr::Mask mask(blk.qr.len, blk.kr.len, p.window_left, p.window_right);
     blk.tiles = key_tiles<Tr>(mask, blk.m0, m_last, blk.kr.len, blk.split, p.num_splits);
+    blk.first_step = step;
+    blk.q_phase = n_tiles & 1;
     body(blk, mask);
+    step += blk.tiles.n_steps;
+    ++n_tiles;
   };
   if constexpr (VARLEN == 1) {
     tile(num_m - 1 - blockIdx.x, blockIdx.y, blockIdx.z);
@@ -263,8 +282,9 @@ struct RingSlot {
 };
 
 // The TMA producer (the producer warpgroup, thread ptid; thread 0 issues every copy), per
-// tile of the schedule: K_0, then Q once the consumers freed the last tile's, then V_0, K_1,
-// V_1, ..., each K / V tile into its ring stage once the consumers freed it. Each box is one
+// tile of the schedule: K_0, then Q once the consumers freed the last tile's (K_0's stage
+// frees before Q does), then V_0, K_1, V_1, ..., each K / V tile into its ring stage once
+// the consumers freed it. Each box is one
 // 64-column block of a tile (the layout of copy_tile), each barrier expects its tile's bytes
 // (out-of-bounds zeros count too). Dense: the maps' bounds zero-fill rows past the sequence.
 // Varlen (the maps span every packed sequence, batch 1): rows past a sequence are the next
@@ -277,11 +297,10 @@ __device__ __forceinline__ void tma_produce(const FlashFwdParams& p, const Flash
                                             Sm90Smem<Tr> sm, int ptid) {
   using T = typename Tr::T;
   constexpr int BN = Tr::BLOCK_N, COL_BLOCKS = Tr::HEAD_DIM / 64;
-  int step = 0, n_tiles = 0;   // K / V tiles and row tiles loaded so far
   for_each_tile<Tr, VARLEN ? 1 : -1>(p, [&](const Sm90Block& blk, const typename Tr::Mask&) {
     const int batch = VARLEN ? 0 : blk.b;   // map coordinates: (column, row, head, batch)
     auto load_q = [&]() {
-      mbar_wait(sm.q_empty(), (n_tiles & 1) ^ 1);
+      mbar_wait(sm.q_empty(), blk.q_phase ^ 1);
       mbar_arrive_expect_tx(sm.q_full(), Tr::Q_BYTES);
 #pragma unroll
       for (int wg = 0; wg < Tr::NUM_WG; ++wg) {
@@ -307,12 +326,12 @@ __device__ __forceinline__ void tma_produce(const FlashFwdParams& p, const Flash
     if (tiles.n_steps == 0 && ptid == 0) load_q();
 #pragma unroll 1
     for (int n = 0; n < tiles.n_steps; ++n) {
-      const RingSlot<Tr> slot(step + n);
+      const RingSlot<Tr> slot(blk.first_step + n);
       const int s = slot.stage;
       const int key0 = tiles.tile_of(n) * BN;
       if (ptid == 0) {
         tma_tile(sm.k_tile(s), maps.k, sm.k_full(s), sm.k_empty(s), slot.phase, key0);
-        if (n == 0) load_q();   // K_0's stage frees before Q does
+        if (n == 0) load_q();
       }
       if (VARLEN && key0 + BN > blk.kr.len) {
         mbar_wait(sm.v_empty(s), slot.phase ^ 1);
@@ -329,13 +348,11 @@ __device__ __forceinline__ void tma_produce(const FlashFwdParams& p, const Flash
         tma_tile(sm.v_tile(s), maps.v, sm.v_full(s), sm.v_empty(s), slot.phase, key0);
       }
     }
-    step += tiles.n_steps;
-    ++n_tiles;
   });
 }
 
-// The cp.async producer (the whole producer warpgroup, thread ptid): the same loads by
-// copy_tile (Q first), rows past the sequence and columns past head_dim zero-filled; each
+// The cp.async producer (the whole producer warpgroup, thread ptid): the same loads in the
+// same order by copy_tile, rows past the sequence and columns past head_dim zero-filled; each
 // thread arrives on a full barrier once its copies of that tile landed.
 template <typename Tr>
 __device__ __forceinline__ void cp_async_produce(const FlashFwdParams& p, Sm90Smem<Tr> sm,
@@ -343,7 +360,6 @@ __device__ __forceinline__ void cp_async_produce(const FlashFwdParams& p, Sm90Sm
   using T = typename Tr::T;
   constexpr int BN = Tr::BLOCK_N;
   const int head_dim_chunks = p.head_dim / 8;
-  int step = 0, n_tiles = 0;
   for_each_tile<Tr, -1>(p, [&](const Sm90Block& blk, const typename Tr::Mask&) {
     const SeqRange qr = blk.qr, kr = blk.kr;
     const int b = blk.b, kvh = blk.kvh;
@@ -353,59 +369,32 @@ __device__ __forceinline__ void cp_async_produce(const FlashFwdParams& p, Sm90Sm
                      (long long)kr.start * p.k_stride_row + kvh * p.k_stride_head;
     const T* v_ptr = static_cast<const T*>(p.v) + b * p.v_stride_batch +
                      (long long)kr.start * p.v_stride_row + kvh * p.v_stride_head;
-    mbar_wait(sm.q_empty(), (n_tiles & 1) ^ 1);
-    copy_tile<Tr, Tr::BLOCK_M, 64>(sm.q, q_ptr, p.q_stride_row, blk.m0, qr.len,
-                                   head_dim_chunks, ptid);
-    cp_async_mbar_arrive(sm.q_full());
+    auto load_q = [&]() {
+      mbar_wait(sm.q_empty(), blk.q_phase ^ 1);
+      copy_tile<Tr, Tr::BLOCK_M, 64>(sm.q, q_ptr, p.q_stride_row, blk.m0, qr.len,
+                                     head_dim_chunks, ptid);
+      cp_async_mbar_arrive(sm.q_full());
+    };
     const KeyTiles& tiles = blk.tiles;
+    if (tiles.n_steps == 0) load_q();
 #pragma unroll 1
     for (int n = 0; n < tiles.n_steps; ++n) {
-      const RingSlot<Tr> slot(step + n);
+      const RingSlot<Tr> slot(blk.first_step + n);
       const int s = slot.stage;
       const int key0 = tiles.tile_of(n) * BN;
       mbar_wait(sm.k_empty(s), slot.phase ^ 1);
       copy_tile<Tr, BN, BN>(sm.k_tile(s), k_ptr, p.k_stride_row, key0, kr.len, head_dim_chunks,
                             ptid);
       cp_async_mbar_arrive(sm.k_full(s));
+      if (n == 0) load_q();
       mbar_wait(sm.v_empty(s), slot.phase ^ 1);
       copy_tile<Tr, BN, BN>(sm.v_tile(s), v_ptr, p.v_stride_row, key0, kr.len, head_dim_chunks,
                             ptid);
       cp_async_mbar_arrive(sm.v_full(s));
     }
-    step += tiles.n_steps;
-    ++n_tiles;
   });
   cp_async_commit();
   cp_async_wait<0>();   // nothing may still be writing shared memory when the block exits
-}
-
-// The output of one consumer warp's rows straight from the accumulators (4-byte pairs, not
-// staged through shared memory), so that the block's Q tiles are free for the next row tile
-// as soon as its last S = Q K^T has landed; and the lse when asked.
-template <typename Tr>
-__device__ __forceinline__ void store_output_sm90(
-    const FlashFwdParams& p, const typename WarpSoftmax<Tr>::Rows& rows,
-    const float (&o_acc)[1][Tr::O_N_TILES][4], const Sm90Block& blk, int warp, int g, int t4) {
-  using T = typename Tr::T;
-  const QueryRows<false> qrows{blk.head, 1};
-  const int head_dim_chunks = p.head_dim / 8;
-  T* o_ptr = static_cast<T*>(p.out) + blk.b * p.o_stride_batch +
-             (long long)blk.qr.start * p.o_stride_row + blk.head * p.o_stride_head;
-#pragma unroll
-  for (int hr = 0; hr < 2; ++hr) {
-    const int R = blk.m0 + warp * 16 + g + hr * 8;
-    if (R >= blk.qr.len) continue;
-    const float inv = rows.inv_sum[0][hr];
-    T* row = o_ptr + (long long)R * p.o_stride_row + 2 * t4;
-#pragma unroll
-    for (int nt = 0; nt < Tr::O_N_TILES; ++nt) {
-      if (nt < head_dim_chunks) {
-        *reinterpret_cast<u32*>(row + nt * 8) =
-            pack_pair<T>(o_acc[0][nt][2 * hr] * inv, o_acc[0][nt][2 * hr + 1] * inv);
-      }
-    }
-  }
-  store_lse<Tr>(p, rows, blk.b, qrows, blk.qr.len, blk.qr, blk.m0, warp, g, t4);
 }
 
 // Grid: (min(items, SMs)) for dense calls, (ceil(max_seqlen_q / BLOCK_M), num_heads, batch x
@@ -456,31 +445,34 @@ __device__ void flash_fwd_sm90_kernel(const FlashFwdParams& p, const FlashTmaMap
 
   // ---- the consumer warpgroups ---------------------------------------------------------------
   setmaxnreg_inc<Tr::CONSUMER_REGS>();
-  // This thread's place: consumer warp `warp` (rows 16 warp .. of each row tile), rows g and
-  // g + 8 of the warp's 16, columns 2 t4 and 2 t4 + 1 of each n8 tile; read afresh where
-  // used (thread_index_now), since held across a tile these are what spilled first.
+  // This thread's place: consumer warp `warp` (rows 16 warp .. of each row tile; broadcast
+  // from lane 0, so that the compiler knows it warp-uniform and keeps it, and the Q
+  // descriptors derived from it, in uniform registers), rows g and g + 8 of the warp's 16,
+  // columns 2 t4 and 2 t4 + 1 of each n8 tile (read afresh where used: thread_index_now,
+  // since held across a tile these spilled first).
+  const int warp = __shfl_sync(0xffffffffu, (tid - Tr::PRODUCER_THREADS) / 32, 0);
   struct Place {
     int warp, g, t4;
   };
-  auto place = []() {
-    const int ctid = thread_index_now() - Tr::PRODUCER_THREADS;
-    return Place{ctid / 32, ctid % 32 / 4, ctid % 4};
+  auto place = [warp]() {
+    const int lane = thread_index_now() % 32;
+    return Place{warp, lane / 4, lane % 4};
   };
 
-  // Descriptors: this warpgroup's Q rows from q_wg (k16 step ks: column block ks / 4, 32
-  // bytes per step inside it), a K tile likewise, a V tile by k16 step of keys (16 rows of
-  // 128 bytes) with its 64-column blocks BN x 128 bytes apart.
-  auto q_desc = [&](u32 q_wg, int ks) {
-    return sw128_desc(q_wg + (ks / 4) * (64 * 128) + (ks % 4) * 32);
+  // Descriptors: this warpgroup's Q rows (k16 step ks: column block ks / 4, 32 bytes per
+  // step inside it), a K tile likewise, a V tile by k16 step of keys (16 rows of 128 bytes)
+  // with its 64-column blocks BN x 128 bytes apart; each a tile's descriptor advanced.
+  const u64 q_wg_desc = sw128_desc(sm.q + (warp / 4) * Tr::WG_Q_BYTES);
+  auto q_desc = [&](int ks) {
+    return desc_advance(q_wg_desc, (ks / 4) * (64 * 128) + (ks % 4) * 32);
   };
   auto k_desc = [&](int s, int ks) {
-    return sw128_desc(sm.k_tile(s) + (ks / 4) * (BN * 128) + (ks % 4) * 32);
+    return desc_advance(sw128_desc(sm.k_tile(s)), (ks / 4) * (BN * 128) + (ks % 4) * 32);
   };
   auto v_desc = [&](int s, int kk) {
-    return sw128_desc(sm.v_tile(s) + kk * (16 * 128), BN * 128);
+    return desc_advance(sw128_desc(sm.v_tile(s), BN * 128), kk * (16 * 128));
   };
 
-  int step = 0, n_tiles = 0;   // K / V tiles and row tiles consumed so far
   for_each_tile<Tr, -1>(p, [&](const Sm90Block& blk, const typename Tr::Mask& mask) {
     const KeyTiles& tiles = blk.tiles;
     const int n_steps = tiles.n_steps;
@@ -504,18 +496,17 @@ __device__ void flash_fwd_sm90_kernel(const FlashFwdParams& p, const FlashTmaMap
 
     // S = Q K^T of step n into s_acc (issued, committed; the caller waits)
     auto issue_qk = [&](int n) {
-      const RingSlot<Tr> slot(step + n);
-      const u32 q_wg = sm.q + (place().warp / 4) * Tr::WG_Q_BYTES;
+      const RingSlot<Tr> slot(blk.first_step + n);
       mbar_wait(sm.k_full(slot.stage), slot.phase);
 #pragma unroll
       for (int ks = 0; ks < Tr::QK_K_STEPS; ++ks) {
-        Wgmma<T, BN>::ss(s_acc[0], q_desc(q_wg, ks), k_desc(slot.stage, ks), ks > 0);
+        Wgmma<T, BN>::ss(s_acc[0], q_desc(ks), k_desc(slot.stage, ks), ks > 0);
       }
       wgmma_commit();
     };
     // O += P V of step n (P in p_pack; issued, committed)
     auto issue_pv = [&](int n) {
-      const RingSlot<Tr> slot(step + n);
+      const RingSlot<Tr> slot(blk.first_step + n);
       mbar_wait(sm.v_full(slot.stage), slot.phase);
 #pragma unroll
       for (int kk = 0; kk < Tr::PV_K_STEPS; ++kk) {
@@ -523,12 +514,15 @@ __device__ void flash_fwd_sm90_kernel(const FlashFwdParams& p, const FlashTmaMap
       }
       wgmma_commit();
     };
-    // S_n has landed: free its K stage, and the Q tiles after the tile's last S.
+    // S_n has landed: free its K stage, and the Q tiles after the tile's last S (unless they
+    // stage O).
     auto release_k = [&](int n) {
-      mbar_arrive(sm.k_empty(RingSlot<Tr>(step + n).stage));
-      if (n == n_steps - 1) mbar_arrive(sm.q_empty());
+      mbar_arrive(sm.k_empty(RingSlot<Tr>(blk.first_step + n).stage));
+      if (!Tr::O_IN_Q && n == n_steps - 1) mbar_arrive(sm.q_empty());
     };
-    auto release_v = [&](int n) { mbar_arrive(sm.v_empty(RingSlot<Tr>(step + n).stage)); };
+    auto release_v = [&](int n) {
+      mbar_arrive(sm.v_empty(RingSlot<Tr>(blk.first_step + n).stage));
+    };
     // Step n's scores (landed): the logits hook, -inf outside the band / sequence on boundary
     // tiles, then the online softmax (P in place, alpha for the accumulator).
     auto softmax_step = [&](int n) {
@@ -548,9 +542,10 @@ __device__ void flash_fwd_sm90_kernel(const FlashFwdParams& p, const FlashTmaMap
 
     // ---- the key loop: S_n in flight with O += P_{n-1} V_{n-1}; softmax of S_n under the
     // latter; O rescaled once it has landed ------------------------------------------------
-    mbar_wait(sm.q_full(), n_tiles & 1);
-    if (n_steps == 0) mbar_arrive(sm.q_empty());
-    if (n_steps > 0) {
+    mbar_wait(sm.q_full(), blk.q_phase);
+    if (n_steps == 0) {
+      if (!Tr::O_IN_Q) mbar_arrive(sm.q_empty());
+    } else {
       wgmma_fence();
       issue_qk(0);
       wgmma_wait<0>();
@@ -594,15 +589,19 @@ __device__ void flash_fwd_sm90_kernel(const FlashFwdParams& p, const FlashTmaMap
         FINISH_SINKS ? static_cast<const float*>(p.sinks)[blk.head] * p.softmax_scale_inv : 0.f;
     const auto rows = softmax.template finish<FINISH_SINKS>(sink);
     const Place at = place();
+    const QueryRows<false> qrows{blk.head, 1};
     if constexpr (Tr::SPLIT) {
-      const QueryRows<false> qrows{blk.head, 1};
       store_partials<Tr>(p, rows, o_acc, blk.b, qrows, blk.qr.len, blk.split, blk.qr, blk.m0,
                          at.warp, at.g, at.t4, p.head_dim / 8);
     } else {
-      store_output_sm90<Tr>(p, rows, o_acc, blk, at.warp, at.g, at.t4);
+      // each warp stages its own 16 rows (warp-local: no barrier but the store's __syncwarp)
+      store_output<Tr>(p, rows, o_acc, sm.o_stage(), blk.b, qrows, blk.qr.len, blk.qr, blk.m0,
+                       at.warp, thread_index_now() % 32, at.g, at.t4, p.head_dim / 8);
     }
-    step += n_steps;
-    ++n_tiles;
+    if (Tr::O_IN_Q) {   // the Q tiles held O: free them for the next row tile
+      fence_proxy_async();   // (generic-proxy accesses, then the producer's async-proxy writes)
+      mbar_arrive(sm.q_empty());
+    }
   });
 }
 

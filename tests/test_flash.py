@@ -496,7 +496,8 @@ def test_more_row_tiles_than_sms(rng, flash_path, hd, sq, sk, causal, num_splits
     batch, h, hkv = 4, 16, 4
     if flash_path == "wgmma":
         v = tuning.flash_kernel_variant("bf16", hd, mask=MASK_CAUSAL if causal else MASK_NONE,
-                                        split=num_splits > 1, arch="sm_90", features=0, tma=True)
+                                        split=num_splits > 1, arch="sm_90", features=0, tma=True,
+                                        seqlen_q=sq)
         m_blocks = -(-sq // v.block_m)
         assert m_blocks % 2 == 1, "an odd tile count per head: a pair's middle tile alone"
         items = (-(-m_blocks // 2) if causal else m_blocks) * h * batch * num_splits

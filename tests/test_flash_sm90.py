@@ -44,6 +44,9 @@ def test_every_form_compiles_for_sm90a_without_spills():
     forms = [tuning.flash_sm90_variant(dt, hd, mask=mask, split=split, features=f, tma=tma)
              for dt, hd, mask, split, f, tma in _FORMS]
     forms.append(tuning.flash_sm90_variant("f16", 128, mask=MASK_CAUSAL, split=False, tma=True))
+    forms += [tuning.flash_sm90_variant("bf16", hd, mask=MASK_CAUSAL, split=split, tma=True,
+                                        seqlen_q=1)
+              for hd in tuning.FLASH_SM90_SHORT_CAUSAL for split in (False, True)]
     reports = compile_reports(forms, "sm_90")
     assert unclean(reports) == []
     # setmaxnreg moves registers within the block's launch allocation: the traits' split
@@ -103,6 +106,24 @@ def test_tiles_fit_shared_memory_and_the_heavy_rule():
             assert v.dynamic_smem_bytes <= 227 * 1024, hd
             assert v.num_threads == 128 * (1 + v.block_m // 64) <= 512, hd
             assert (v.block_m, v.block_n, v.stages) == (want.block_m, want.block_n, want.stages)
+
+
+def test_the_short_causal_rule():
+    """Causal calls up to FLASH_SM90_SHORT_CAUSAL's query length take the heavy tiles at its
+    head dims; longer ones, unmasked ones and other head dims the default tiles."""
+    for hd, longest in tuning.FLASH_SM90_SHORT_CAUSAL.items():
+        heavy, default = tuning.FLASH_SM90_TILES_HEAVY[hd], tuning.FLASH_SM90_TILES[hd]
+        for seqlen_q, mask, want in ((longest, MASK_CAUSAL, heavy), (1, MASK_CAUSAL, heavy),
+                                     (longest + 1, MASK_CAUSAL, default),
+                                     (None, MASK_CAUSAL, default), (1, MASK_NONE, default)):
+            v = tuning.flash_kernel_variant("bf16", hd, mask=mask, split=False, arch="sm_90",
+                                            tma=True, seqlen_q=seqlen_q)
+            assert (v.block_m, v.block_n, v.stages) == \
+                (want.block_m, want.block_n, want.stages), (hd, seqlen_q, mask)
+    assert 128 not in tuning.FLASH_SM90_SHORT_CAUSAL
+    v = tuning.flash_kernel_variant("bf16", 128, mask=MASK_CAUSAL, split=False, arch="sm_90",
+                                    tma=True, seqlen_q=1)
+    assert v.block_m == tuning.FLASH_SM90_TILES[128].block_m
 
 
 def test_the_grid_rule():

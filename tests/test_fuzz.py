@@ -608,7 +608,8 @@ def kernels_flash(p, arch):
 
     def fwd(split):
         return tuning.flash_kernel_variant(p["dtype"], p["hd"], mask=mask, split=split,
-                                           arch=arch, features=features, tma=True)   # (the strides a map takes)
+                                           arch=arch, features=features, tma=True,   # (the strides a map takes)
+                                           seqlen_q=max_sq)
     tiles = -(-max_sk // fwd(False).block_n)
     extra = [fwd(True), tuning.flash_combine_variant(p["dtype"], p["hd"],
                                                      sinks=bool(features & FEAT_SINKS))]

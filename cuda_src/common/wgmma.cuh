@@ -30,6 +30,10 @@ __device__ __forceinline__ u64 sw128_desc(u32 addr, u32 lbo_bytes = 16) {
          ((u64)(1024 >> 4) << 32) | (1ull << 62);
 }
 
+// The descriptor of the operand `bytes` (a multiple of 16) past desc's: its start field is
+// the address / 16 in 14 bits, which every shared address fits, so the sum never carries.
+__device__ __forceinline__ u64 desc_advance(u64 desc, u32 bytes) { return desc + (bytes >> 4); }
+
 // threadIdx.x read anew at each use (asm volatile: neither hoisted nor merged), for a value
 // the compiler would otherwise hold in a register across a long loop, or spill.
 __device__ __forceinline__ int thread_index_now() {
