@@ -333,8 +333,13 @@ __device__ __forceinline__ void tma_produce(const FlashFwdParams& p, const Flash
         tma_tile(sm.k_tile(s), maps.k, sm.k_full(s), sm.k_empty(s), slot.phase, key0);
         if (n == 0) load_q();
       }
+      // Varlen: every producer thread follows the V ring step by step, not only to its edge
+      // tiles: a thread whose last wait was two rounds back could take a phase that old for
+      // the one it wants (an mbarrier parity names a phase mod 2) and overwrite a V tile the
+      // consumers still read (an edge tile 2 x STAGES steps into the walk: windows at hd
+      // 192 / 256).
+      if (VARLEN) mbar_wait(sm.v_empty(s), slot.phase ^ 1);
       if (VARLEN && key0 + BN > blk.kr.len) {
-        mbar_wait(sm.v_empty(s), slot.phase ^ 1);
         const T* v_ptr = static_cast<const T*>(p.v) + (long long)blk.kr.start * p.v_stride_row +
                          blk.kvh * p.v_stride_head;
         copy_tile<Tr, BN, BN>(sm.v_tile(s), v_ptr, p.v_stride_row, key0, blk.kr.len,

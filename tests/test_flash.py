@@ -513,8 +513,8 @@ def test_more_row_tiles_than_sms(rng, flash_path, hd, sq, sk, causal, num_splits
 
 
 # Varlen calls with more row tiles than an H200 has SMs, odd lengths and empty sequences,
-# called twice (a schedule that keeps state between calls must start afresh): the guard for
-# a persistent varlen schedule (bench/lab/fetched_varlen.patch failed it: bench/NOTES.md,
+# called twice on a cold L2: the guard for a persistent varlen schedule
+# (bench/lab/fetched_varlen.patch failed it before the producer's V ring fix: bench/NOTES.md,
 # "Stage 5"); the Hopper kernel runs them one block per row tile today.
 _MANY_VARLEN_Q = [0, 700, 1, 2100, 37, 0, 1500, 129, 513, 1023, 64, 300]
 _MANY_VARLEN_K = [5, 800, 1, 2100, 237, 0, 1500, 329, 513, 1123, 264, 300]
@@ -548,6 +548,35 @@ def test_varlen_more_row_tiles_than_sms(rng, flash_path, hd, causal, num_splits)
                 check_close(out[None, qs:qe], lse[None, :, qs:qe], q[None, qs:qe],
                             k[None, ks:ke], v[None, ks:ke], causal=causal)
         assert not bool(cupy.isnan(out).any())
+
+
+# Varlen windows with narrow key tiles (hd 192: 64 keys, hd 256: 48 keys per tile): the
+# visiting order puts a sequence's edge tile (crossing its end) after the left and right
+# boundary tiles, 2 x STAGES or more steps into the walk of its last row tile (these
+# lengths), where a producer thread copying that V tile must not take a stale phase of the
+# V ring for its own (flash_fwd_sm90.cuh tma_produce).
+_EDGE_LATE = [499, 1206, 77, 1157]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hd", [192, 256])
+@pytest.mark.parametrize("window", [(300, 0), (1000, 50)], ids=["w300_0", "w1000_50"])
+def test_varlen_windows_with_narrow_key_tiles(rng, flash_path, hd, window):
+    import cupy
+    h, hkv = 4, 2
+    q, k, v, cu_q, cu_k, dcu_q, dcu_k = _pack_varlen(rng, _EDGE_LATE, _EDGE_LATE, h, hkv, hd,
+                                                     BF16)
+    l2 = cupy.empty(256 << 20, dtype=np.uint8)
+    for i in range(2):
+        l2.fill(i)   # a cold L2: slow first loads leave the consumers behind the producer
+        out = _poisoned(q.shape, BF16)
+        _, lse = cuattn.flash_varlen_forward(q, k, v, dcu_q, dcu_k, max(_EDGE_LATE),
+                                             max(_EDGE_LATE), window_size=window,
+                                             return_lse=True, out=out)
+        for b in range(len(_EDGE_LATE)):
+            qs, qe = cu_q[b], cu_q[b + 1]
+            check_close(out[None, qs:qe], lse[None, :, qs:qe], q[None, qs:qe], k[None, qs:qe],
+                        v[None, qs:qe], window=window)
 
 
 @pytest.mark.gpu
