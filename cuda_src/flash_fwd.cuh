@@ -672,28 +672,6 @@ __device__ __forceinline__ void store_partials(
   }
 }
 
-// The lse of the warp's rows when asked (lane t4 = 0 of each row).
-template <typename Tr>
-__device__ __forceinline__ void store_lse(const FlashFwdParams& p,
-                                          const typename WarpSoftmax<Tr>::Rows& rows, int b,
-                                          const QueryRows<Tr::PACK_GQA>& qrows, int num_rows,
-                                          const SeqRange& qr, int m0, int warp, int g, int t4) {
-  if (p.lse == nullptr || t4 != 0) return;
-  float* lse_ptr = static_cast<float*>(p.lse) + b * p.lse_stride_batch +
-                   (long long)qr.start * p.lse_stride_row;
-#pragma unroll
-  for (int mt = 0; mt < Tr::M_TILES; ++mt) {
-#pragma unroll
-    for (int hr = 0; hr < 2; ++hr) {
-      const int R = m0 + warp * Tr::WARP_M + mt * 16 + g + hr * 8;
-      if (R < num_rows) {
-        lse_ptr[(long long)qrows.token(R) * p.lse_stride_row +
-                qrows.head(R) * p.lse_stride_head] = rows.lse[mt][hr];
-      }
-    }
-  }
-}
-
 // The output: O -> T in this warp's own rows of a BLOCK_M x HEAD_DIM shared-memory tile at
 // smem_o (flash_fwd_kernel: the Q tile), then 16-byte stores; and the lse when asked.
 template <typename Tr>
@@ -742,7 +720,21 @@ __device__ __forceinline__ void store_output(
               v16);
     }
   }
-  store_lse<Tr>(p, rows, b, qrows, num_rows, qr, m0, warp, g, t4);
+  if (p.lse != nullptr && t4 == 0) {
+    float* lse_ptr = static_cast<float*>(p.lse) + b * p.lse_stride_batch +
+                     (long long)qr.start * p.lse_stride_row;
+#pragma unroll
+    for (int mt = 0; mt < Tr::M_TILES; ++mt) {
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        const int R = m0 + warp * Tr::WARP_M + mt * 16 + g + hr * 8;
+        if (R < num_rows) {
+          lse_ptr[(long long)qrows.token(R) * p.lse_stride_row +
+                  qrows.head(R) * p.lse_stride_head] = rows.lse[mt][hr];
+        }
+      }
+    }
+  }
 }
 
 // Grid: (ceil(max_seqlen_q / BLOCK_M), num_heads, batch * num_splits), block: (NUM_WARPS * 32),

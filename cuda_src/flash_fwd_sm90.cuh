@@ -79,9 +79,11 @@ struct FlashFwdSm90Traits : FlashFeatures<FEATURES_> {
   // A full barrier's arrivals: the one TMA-issuing thread (its expect_tx carries the bytes),
   // or every producer thread (cp.async.mbarrier.arrive once its copies landed).
   static constexpr int FULL_ARRIVALS = TMA ? 1 : PRODUCER_THREADS;
-  // The named barrier of the producer warpgroup (its varlen V edge copies).
+  // Named barriers: the producer warpgroup's (its varlen V edge copies), then one per
+  // consumer warpgroup (O_IN_Q: its wgmmas have read its Q tile before the epilogue reuses it).
   static constexpr int PRODUCER_BARRIER = 1;
-  // The schedule (Sm90Schedule): a causal block walks pairs of row tiles, a heavy one and a
+  static constexpr int CONSUMER_BARRIER_0 = 2;
+  // The schedule (for_each_tile): a causal block walks pairs of row tiles, a heavy one and a
   // light one.
   static constexpr bool PAIR_TILES = MASK_ == kMaskCausal;
   // The producer's copies: each thread takes one 16-byte column chunk of every
@@ -452,16 +454,16 @@ __device__ void flash_fwd_sm90_kernel(const FlashFwdParams& p, const FlashTmaMap
   setmaxnreg_inc<Tr::CONSUMER_REGS>();
   // This thread's place: consumer warp `warp` (rows 16 warp .. of each row tile; broadcast
   // from lane 0, so that the compiler knows it warp-uniform and keeps it, and the Q
-  // descriptors derived from it, in uniform registers), rows g and g + 8 of the warp's 16,
-  // columns 2 t4 and 2 t4 + 1 of each n8 tile (read afresh where used: thread_index_now,
-  // since held across a tile these spilled first).
+  // descriptors derived from it, in uniform registers), and in it rows g and g + 8 of the
+  // warp's 16, columns 2 t4 and 2 t4 + 1 of each n8 tile (read afresh where used:
+  // thread_index_now, since held across a tile these spilled first).
   const int warp = __shfl_sync(0xffffffffu, (tid - Tr::PRODUCER_THREADS) / 32, 0);
-  struct Place {
-    int warp, g, t4;
+  struct Lane {
+    int g, t4;
   };
-  auto place = [warp]() {
+  auto lane_place = []() {
     const int lane = thread_index_now() % 32;
-    return Place{warp, lane / 4, lane % 4};
+    return Lane{lane / 4, lane % 4};
   };
 
   // Descriptors: this warpgroup's Q rows (k16 step ks: column block ks / 4, 32 bytes per
@@ -531,8 +533,8 @@ __device__ void flash_fwd_sm90_kernel(const FlashFwdParams& p, const FlashTmaMap
     // Step n's scores (landed): the logits hook, -inf outside the band / sequence on boundary
     // tiles, then the online softmax (P in place, alpha for the accumulator).
     auto softmax_step = [&](int n) {
-      const Place at = place();
-      const int row0 = blk.m0 + at.warp * 16 + at.g;   // this thread's rows: row0, row0 + 8
+      const Lane at = lane_place();
+      const int row0 = blk.m0 + warp * 16 + at.g;   // this thread's rows: row0, row0 + 8
       hook_and_mask<Tr>(
           s_acc, n < tiles.n_masked, tiles.tile_of(n) * BN, at.t4, mask, sk,
           [&](int, int hr) { return row0 + hr * 8; },
@@ -593,15 +595,19 @@ __device__ void flash_fwd_sm90_kernel(const FlashFwdParams& p, const FlashTmaMap
     sink[0][0] = sink[0][1] =
         FINISH_SINKS ? static_cast<const float*>(p.sinks)[blk.head] * p.softmax_scale_inv : 0.f;
     const auto rows = softmax.template finish<FINISH_SINKS>(sink);
-    const Place at = place();
+    const Lane at = lane_place();
     const QueryRows<false> qrows{blk.head, 1};
     if constexpr (Tr::SPLIT) {
       store_partials<Tr>(p, rows, o_acc, blk.b, qrows, blk.qr.len, blk.split, blk.qr, blk.m0,
-                         at.warp, at.g, at.t4, p.head_dim / 8);
+                         warp, at.g, at.t4, p.head_dim / 8);
     } else {
-      // each warp stages its own 16 rows (warp-local: no barrier but the store's __syncwarp)
+      // each warp stages its own 16 rows: an O tile needs no barrier but the store's
+      // __syncwarp; the Q tiles only once the whole warpgroup's wgmmas have read them
+      if constexpr (Tr::O_IN_Q) {
+        named_barrier_sync(Tr::CONSUMER_BARRIER_0 + warp / 4, 128);
+      }
       store_output<Tr>(p, rows, o_acc, sm.o_stage(), blk.b, qrows, blk.qr.len, blk.qr, blk.m0,
-                       at.warp, thread_index_now() % 32, at.g, at.t4, p.head_dim / 8);
+                       warp, thread_index_now() % 32, at.g, at.t4, p.head_dim / 8);
     }
     if (Tr::O_IN_Q) {   // the Q tiles held O: free them for the next row tile
       fence_proxy_async();   // (generic-proxy accesses, then the producer's async-proxy writes)
