@@ -115,6 +115,7 @@ class Plan:
     outputs: tuple[tuple[tuple, np.dtype], ...]  # (shape, dtype) of each allocated output
     scratch: tuple[int, ...] = ()               # byte offsets of the scratch parts
     scratch_bytes: int = 0
+    scratch_zeroed: tuple[int, ...] = ()        # (offset, bytes) zeroed before the launches
     launches: tuple[Launch, ...] = ()
     # What the call returns: indices into (arguments..., allocated outputs...); one index
     # returns that array, several a tuple, none returns None.
@@ -248,6 +249,10 @@ def _run(plan: Plan, arrays: tuple, stream, ptrs: list):
             base = scratch.ptr
             for off in plan.scratch:
                 ptrs.append(base + off)
+            if plan.scratch_zeroed:
+                off, n = plan.scratch_zeroed
+                s = stream if stream is not None else cupy.cuda.get_current_stream()
+                cupy.cuda.runtime.memsetAsync(base + off, 0, n, s.ptr)
         for launch in plan.launches:
             args = (launch.params(ptrs),)
             if launch.extra is not None:

@@ -21,11 +21,14 @@ MAP_BYTES = 128                      # sizeof(CUtensorMap)
 MAPS_DTYPE = np.dtype([("q", f"V{MAP_BYTES}"), ("k", f"V{MAP_BYTES}"), ("v", f"V{MAP_BYTES}")])
 # The argument of a cp.async form of the kernel, which never reads it.
 NO_MAPS = np.zeros((), MAPS_DTYPE)[()]
+# FlashSm90Schedule (its tile counter's pointer: 8 bytes) of a call whose grid is its
+# schedule.
+NO_SCHEDULE = np.uint64(0)
 
 
 def no_maps(ptrs: list) -> tuple:
-    """The launch argument of a cp.async form (Launch.extra)."""
-    return (NO_MAPS,)
+    """The launch arguments of a cp.async form (Launch.extra): no maps, no schedule."""
+    return (NO_MAPS, NO_SCHEDULE)
 
 
 _COLS = 64                           # a 128-byte swizzle row: 64 16-bit columns per box
@@ -79,19 +82,25 @@ class _Tensor:
 
 
 class FlashMaps:
-    """A plan's launch argument for the TMA form: ``maps(ptrs)`` -> (FlashTmaMaps bytes,) for
-    the pointers in slots ``slots`` (q, k, v) of the call's pointer list."""
+    """A plan's launch arguments for the TMA form: ``maps(ptrs)`` -> (FlashTmaMaps bytes,
+    FlashSm90Schedule) for the pointers in slots ``slots`` (q, k, v) of the call's pointer
+    list, and the tile counter's in slot ``counter_slot`` (varlen calls; None: no counter)."""
 
-    def __init__(self, dtype_short: str, q, k, v, slots: tuple[int, int, int], block_n: int):
+    def __init__(self, dtype_short: str, q, k, v, slots: tuple[int, int, int], block_n: int,
+                 counter_slot: int | None = None):
         self.data_type = dtype_short
         self.tensors = (_Tensor.of(q, 64), _Tensor.of(k, block_n), _Tensor.of(v, block_n))
         self.slots = slots
+        self.counter_slot = counter_slot
         self._kept: dict[tuple, tuple] = {}
 
     def __call__(self, ptrs: list) -> tuple:
         key = (ptrs[self.slots[0]], ptrs[self.slots[1]], ptrs[self.slots[2]])
         maps = self._kept.get(key)
-        return maps if maps is not None else self._encode(key)
+        if maps is None:
+            maps = self._encode(key)
+        schedule = NO_SCHEDULE if self.counter_slot is None else np.uint64(ptrs[self.counter_slot])
+        return maps + (schedule,)
 
     def _encode(self, key: tuple[int, int, int]) -> tuple:
         if len(self._kept) >= _KEEP:

@@ -325,6 +325,12 @@ def _plan(c: Call) -> Plan:
         oaccum_bytes = num_splits * c.total_q * nheads * head_dim * 4   # a multiple of 16
         scratch = (0, oaccum_bytes)
         scratch_bytes = oaccum_bytes + num_splits * nheads * c.total_q * 4
+    varlen = "cu_seqlens_q" in c.args
+    fetched = isinstance(variant, FlashFwdSm90Variant) and variant.fetches_varlen and varlen
+    zeroed = ()
+    if fetched:   # the Hopper kernel's tile counter, zeroed before each launch
+        counter_at = -(-scratch_bytes // 16) * 16
+        scratch, scratch_bytes, zeroed = scratch + (counter_at,), counter_at + 16, (counter_at, 4)
     wl, wr = _window_params(left, right, c.max_sq, c.max_sk)
     slot_of = {n: slots.arg(i) for n, i in c.args.items()}
     slot_of.update(out=out_slot, lse=lse_slot)
@@ -333,11 +339,12 @@ def _plan(c: Call) -> Plan:
     ptr_slots = tuple(slot_of.get(n, NULL) for n in FLASH_PARAMS.pointer_names())
     grid, extra = (m_blocks, grid_y, c.batch * num_splits), None
     if isinstance(variant, FlashFwdSm90Variant):     # its own grid; tensor maps (zeros: cp.async)
-        grid = variant.grid(m_blocks, grid_y, c.batch * num_splits,
-                            varlen="cu_seqlens_q" in c.args, sm_count=device.sm_count)
+        grid = variant.grid(m_blocks, grid_y, c.batch * num_splits, varlen=varlen,
+                            sm_count=device.sm_count)
         qkv_slots = (slot_of["q"], slot_of["k"], slot_of["v"])
-        extra = _tma.FlashMaps(c.dtype.short, *c.qkv, qkv_slots, variant.block_n) \
-            if variant.tma else _tma.no_maps
+        counter_slot = slots.scratch(len(scratch) - 1) if fetched else None
+        extra = _tma.FlashMaps(c.dtype.short, *c.qkv, qkv_slots, variant.block_n,
+                               counter_slot) if variant.tma else _tma.no_maps
     fields = dict(k_stride_block=0, v_stride_block=0, k_stride_chunk=8, v_stride_dim=0,
                   bt_stride_seq=0, block_shift=0, max_blocks_per_seq=0, k_scale=1.0,
                   v_scale=1.0)
@@ -359,4 +366,5 @@ def _plan(c: Call) -> Plan:
                                    (-(-c.total_q * nheads // rows_per_block),),
                                    (combine.num_threads,), 0, FLASH_PARAMS.dtype, ptr_slots,
                                    tail))
-    return Plan(**common, scratch=scratch, scratch_bytes=scratch_bytes, launches=tuple(launches))
+    return Plan(**common, scratch=scratch, scratch_bytes=scratch_bytes, scratch_zeroed=zeroed,
+                launches=tuple(launches))

@@ -195,7 +195,8 @@ class FlashFwdSm90Variant(Variant):
     kernel: ClassVar[str] = "flash_fwd_sm90_kernel"
     traits: ClassVar[str] = "FlashFwdSm90Traits"
     params: ClassVar[ParamsStruct] = FLASH_PARAMS
-    extra_params: ClassVar[tuple] = (("FlashTmaMaps", "maps"),)   # cuattn._tma.FlashMaps
+    # cuattn._tma.FlashMaps
+    extra_params: ClassVar[tuple] = (("FlashTmaMaps", "maps"), ("FlashSm90Schedule", "sched"))
     smem_from_traits: ClassVar[bool] = True
 
     def __post_init__(self):
@@ -226,23 +227,34 @@ class FlashFwdSm90Variant(Variant):
     @property
     def dynamic_smem_bytes(self) -> int:
         # 1024 B of alignment slack + Q tile + STAGES x (K tile + V tile), 2-byte elements,
-        # + the mbarriers, + an O tile where it fits in 227 KB and the kernel stores T
-        # (pinned to Traits::SMEM_BYTES)
+        # + the mbarriers + two 16-byte item slots, + an O tile where it fits in 227 KB and
+        # the kernel stores T (pinned to Traits::SMEM_BYTES)
         without_o = 1024 + 2 * self.head_dim * (self.block_m + 2 * self.stages * self.block_n) + \
-            8 * (2 + 4 * self.stages)
+            8 * (2 + 4 * self.stages) + 32
         o_tile = 2 * self.head_dim * self.block_m
         return without_o + (o_tile if not self.split and without_o + o_tile <= 227 * 1024 else 0)
 
     def grid(self, m_blocks: int, heads: int, entries_z: int, *, varlen: bool,
              sm_count: int) -> tuple:
         """The launch grid for m_blocks row tiles per (head, batch x split) entry
-        (flash_fwd_sm90.cuh for_each_tile): varlen calls one block per row tile; dense ones
-        one block per SM (its registers allow no second) striding over the items, which pair
-        the row tiles under a causal mask."""
-        if varlen:
+        (flash_fwd_sm90.cuh for_each_tile): one block per SM at most (its registers allow no
+        second) over the items: dense calls stride over them (pairs of row tiles under a
+        causal mask), varlen ones by TMA fetch them from a counter (at most m_blocks per
+        entry); other varlen calls take one block per row tile."""
+        if varlen and not self.fetches_varlen:
             return (m_blocks, heads, entries_z)
-        per_entry = -(-m_blocks // 2) if self.mask == MASK_CAUSAL else m_blocks
+        per_entry = -(-m_blocks // 2) if self.mask == MASK_CAUSAL and not varlen else m_blocks
         return (min(per_entry * heads * entries_z, sm_count),)
+
+    @property
+    def fetches_varlen(self) -> bool:
+        """Whether its varlen calls take row tiles from a counter (Traits::FETCH_VARLEN: TMA
+        forms of at most two consumer warpgroups; three leave the producer too few
+        registers)."""
+        return self.tma and self.block_m // 64 < 3
+
+    def traits_asserts(self) -> tuple:
+        return (("FETCH_VARLEN", self.fetches_varlen),)
 
     def target_arch(self, device_arch: str) -> str:
         return "sm_90a"   # wgmma exists only in the arch-specific target

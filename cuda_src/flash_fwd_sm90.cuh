@@ -7,12 +7,13 @@
 // cannot describe by cp.async), and 1-3 consumer warpgroups of 64 query rows each compute,
 // with setmaxnreg moving registers from the producer to them. Inside a consumer warpgroup
 // the softmax of tile n runs while O += P V of tile n-1 is in flight (intra-warpgroup
-// overlap). Dense calls run a persistent grid (for_each_tile): each block walks several row
-// tiles, and the producer loads the next one's K / V (and Q, where O has a tile of its own)
-// under the last steps and the epilogue of the current one. The consumers' accumulators
-// have mma.sync's fragment layout,
-// so the online softmax, the mask, the logits hooks, the key-tile order and the split-KV
-// epilogue are flash_fwd.cuh's parts.
+// overlap). The grid is persistent (for_each_tile): each block walks several row tiles
+// (dense calls by a static stride, varlen ones taking tiles from a counter), and the
+// producer loads the next one's K / V (and Q, where O has a tile of its own) under the last
+// steps and the epilogue of the current one. The consumers' accumulators have mma.sync's
+// fragment layout, so the online softmax, the mask, the logits hooks, the key-tile order
+// and the epilogues are flash_fwd.cuh's parts. (The cp.async producer's varlen calls keep
+// one block per row tile.)
 #pragma once
 #include "flash_fwd.cuh"
 #include "common/wgmma.cuh"
@@ -43,9 +44,11 @@ struct FlashFwdSm90Traits : FlashFeatures<FEATURES_> {
   // setmaxnreg: the producer keeps PRODUCER_REGS, each consumer thread gets CONSUMER_REGS
   // (all within the 64K registers of the SM: 128 x (PRODUCER_REGS + NUM_WG x CONSUMER_REGS)).
   // The TMA producer issues from one thread (24, the least setmaxnreg takes, spills its
-  // walk over the schedule: 32), the cp.async producer needs 40; the consumers take what the
-  // launch's pool leaves (LAUNCH_REGS below).
-  static constexpr int PRODUCER_REGS = TMA ? 32 : 40;
+  // walk over the schedule: 32); the cp.async producer and the TMA producer that fetches a
+  // varlen schedule (FETCH_VARLEN: only where two consumer warpgroups leave it the
+  // registers) need 40; the consumers take what the launch's pool leaves (LAUNCH_REGS below).
+  static constexpr bool FETCH_VARLEN = TMA && NUM_WG < 3;
+  static constexpr int PRODUCER_REGS = TMA && NUM_WG == 3 ? 32 : 40;
   static constexpr int CONSUMER_REGS = NUM_WG == 3 ? (TMA ? 160 : 152) : 232;
   // What flash_fwd.cuh's parts read: each consumer warp owns one m16 tile of rows.
   static constexpr int WARP_M = 16;
@@ -72,7 +75,9 @@ struct FlashFwdSm90Traits : FlashFeatures<FEATURES_> {
   static constexpr int KV_TILE_BYTES = BLOCK_N * HEAD_DIM * 2;
   static constexpr int O_BYTES = Q_BYTES;
   static constexpr int BAR_BYTES = 8 * (2 + 4 * STAGES);
-  static constexpr int SMEM_NO_O = 1024 + Q_BYTES + 2 * STAGES * KV_TILE_BYTES + BAR_BYTES;
+  static constexpr int SLOT_BYTES = 2 * 16;   // the fetched schedule's ring of two items
+  static constexpr int SMEM_NO_O =
+      1024 + Q_BYTES + 2 * STAGES * KV_TILE_BYTES + BAR_BYTES + SLOT_BYTES;
   static constexpr bool O_TILE = !SPLIT && SMEM_NO_O + O_BYTES <= 227 * 1024;
   static constexpr bool O_IN_Q = !SPLIT && !O_TILE;
   static constexpr int SMEM_BYTES = SMEM_NO_O + (O_TILE ? O_BYTES : 0);
@@ -167,7 +172,7 @@ struct FlashTmaMaps {
 // The block's shared memory from its 1024-aligned base (Tr::SMEM_BYTES' layout): the Q
 // tiles, the K ring, the V ring, the O tile (Tr::O_TILE; else O is staged in the Q tiles),
 // then the pipeline's mbarriers: Q full, Q empty, then per stage K full, K empty, V full,
-// V empty.
+// V empty; then the two slots of a fetched schedule's items.
 template <typename Tr>
 struct Sm90Smem {
   u32 q;
@@ -180,6 +185,13 @@ struct Sm90Smem {
   __device__ u32 k_empty(int s) const { return q_full() + 8 * (2 + Tr::STAGES + s); }
   __device__ u32 v_full(int s) const { return q_full() + 8 * (2 + 2 * Tr::STAGES + s); }
   __device__ u32 v_empty(int s) const { return q_full() + 8 * (2 + 3 * Tr::STAGES + s); }
+  __device__ u32 item_slot(int i) const { return q_full() + Tr::BAR_BYTES + 16 * i; }
+};
+
+// The dynamic schedule of a varlen call (cuattn/_tma.py): a counter the host zeroes before
+// the launch; null when the grid is the schedule.
+struct FlashSm90Schedule {
+  unsigned* tile_counter;   // [1]
 };
 
 // One row tile's work: its sequence's query rows and keys, its first row, query head, KV
@@ -193,22 +205,16 @@ struct Sm90Block {
   int first_step, q_phase;
 };
 
-// The schedule, which both roles walk. Dense calls launch one block per SM (a persistent
-// grid: a tile's loads run under the last steps and the epilogue of the one before), each
-// striding over the grid's items: item w is a row tile of one head and one batch x split
-// entry (tiles fastest, heavy first, then heads, as the hardware would order a 3-d grid),
-// or with a causal mask (Tr::PAIR_TILES) the pair of tiles m_blocks - 1 - j and j, whose key
-// tiles add up to about the same for every j, so that blocks striding over equal items stay
-// balanced (an odd m_blocks leaves middle tiles, the last items). Varlen calls launch one
-// block per row tile, grid (m_blocks, heads, batch x splits) as flash_fwd_kernel's, heavy
-// first, and leave the balance to the hardware (the host knows no sequence's length).
-// VARLEN: -1 = from cu_seqlens_q at run time, 1 = known varlen (one tile, no loop: for a
-// caller that keeps few registers).
-template <typename Tr, int VARLEN, typename F>
-__device__ __forceinline__ void for_each_tile(const FlashFwdParams& p, F&& body) {
-  const unsigned num_m = p.m_blocks;
+// The schedule, which both roles walk: `next(k, m_block, head, z)` names the block's k-th
+// item (kItem), one to pass over (kSkip) or the end (kEnd), and for_each_tile builds each
+// row tile's Sm90Block (its place in the ring counted here) for `body`. ONE: the block's
+// first item only, no loop (for a caller that keeps few registers).
+enum Sm90Next { kEnd, kSkip, kItem };
+
+template <typename Tr, bool ONE = false, typename Next, typename F>
+__device__ __forceinline__ void for_each_tile(const FlashFwdParams& p, Next&& next, F&& body) {
   int step = 0, n_tiles = 0;   // K / V tiles and row tiles walked so far
-  auto tile = [&](unsigned m_block, unsigned head, unsigned z) {
+  auto visit = [&](unsigned m_block, unsigned head, unsigned z) {
     Sm90Block blk;
     blk.b = Tr::SPLIT ? z / unsigned(p.num_splits) : z;
     blk.split = Tr::SPLIT ? z % unsigned(p.num_splits) : 0;
@@ -227,51 +233,141 @@ __device__ __forceinline__ void for_each_tile(const FlashFwdParams& p, F&& body)
     step += blk.tiles.n_steps;
     ++n_tiles;
   };
-  if constexpr (VARLEN == 1) {
-    tile(num_m - 1 - blockIdx.x, blockIdx.y, blockIdx.z);
+  if constexpr (ONE) {
+    unsigned m_block, head, z;
+    if (next(0u, m_block, head, z) == kItem) visit(m_block, head, z);
   } else {
-    // pairs: items [0, n_pairs x entries) hold tiles m_blocks - 1 - j and j (j fastest); an
-    // odd m_blocks leaves each entry's middle tile, which come last (half-cost items for the
-    // tail) -- items of both costs in between would meet the same blocks every round.
-    // Visit k: item blockIdx.x + (k >> pairs) x gridDim.x, its tile k & pairs (unsigned: the
-    // divisions by run-time values are shorter); varlen: the block's own tile, once. (The
-    // constants are derived inside the loop, from the params: the consumers keep no
-    // registers for them across a tile.)
 #pragma unroll 1
     for (unsigned k = 0;; ++k) {
-      const bool varlen = p.cu_seqlens_q != nullptr;
-      const bool pairs = Tr::PAIR_TILES && !varlen;
-      const unsigned entries = p.num_heads * p.batch * (Tr::SPLIT ? p.num_splits : 1);
-      const unsigned n_pairs = pairs ? num_m / 2 : 0;
-      const unsigned num_items = pairs ? (num_m - n_pairs) * entries : num_m * entries;
       unsigned m_block, head, z;
-      if (varlen) {
-        if (k > 0) break;
-        m_block = num_m - 1 - blockIdx.x;
-        head = blockIdx.y;
-        z = blockIdx.z;
-      } else {
-        unsigned entry;
-        const unsigned w = blockIdx.x + (k >> unsigned(pairs)) * gridDim.x;
-        if (w >= num_items) break;
-        if (!pairs) {
-          entry = w / num_m;
-          m_block = num_m - 1 - w % num_m;
-        } else if (w < n_pairs * entries) {
-          const unsigned j = w % n_pairs;
-          entry = w / n_pairs;
-          m_block = (k & 1) ? j : num_m - 1 - j;
-        } else {
-          if (k & 1) continue;   // a middle tile alone
-          entry = w - n_pairs * entries;
-          m_block = n_pairs;
-        }
-        head = entry % unsigned(p.num_heads);
-        z = entry / unsigned(p.num_heads);
-      }
-      tile(m_block, head, z);
+      const Sm90Next got = next(k, m_block, head, z);
+      if (got == kEnd) break;
+      if (got == kSkip) continue;
+      visit(m_block, head, z);
     }
   }
+}
+
+// The grid as the schedule. Dense calls launch one block per SM (a persistent grid: a tile's
+// loads run under the last steps and the epilogue of the one before), each striding over
+// the grid's items: item w is a row tile of one head and one batch x split entry (tiles
+// fastest, heavy first, then heads, as the hardware would order a 3-d grid), or with a
+// causal mask (Tr::PAIR_TILES) the pair of tiles m_blocks - 1 - j and j, whose key tiles add
+// up to about the same for every j, so that blocks striding over equal items stay balanced
+// (an odd m_blocks leaves middle tiles, the last items). Varlen calls without a fetched
+// schedule (the cp.async producer's) launch one block per row tile, grid (m_blocks, heads,
+// batch x splits) as flash_fwd_kernel's, heavy first.
+template <typename Tr>
+__device__ __forceinline__ Sm90Next grid_item(const FlashFwdParams& p, unsigned k,
+                                              unsigned& m_block, unsigned& head, unsigned& z) {
+  // pairs: items [0, n_pairs x entries) hold tiles m_blocks - 1 - j and j (j fastest); an
+  // odd m_blocks leaves each entry's middle tile, which come last (half-cost items for the
+  // tail) -- items of both costs in between would meet the same blocks every round.
+  // Visit k: item blockIdx.x + (k >> pairs) x gridDim.x, its tile k & pairs (unsigned: the
+  // divisions by run-time values are shorter). (The constants are derived per visit, from
+  // the params: the consumers keep no registers for them across a tile.)
+  const unsigned num_m = p.m_blocks;
+  if (p.cu_seqlens_q != nullptr) {
+    m_block = num_m - 1 - blockIdx.x;
+    head = blockIdx.y;
+    z = blockIdx.z;
+    return k == 0 ? kItem : kEnd;
+  }
+  const bool pairs = Tr::PAIR_TILES;
+  const unsigned entries = p.num_heads * p.batch * (Tr::SPLIT ? p.num_splits : 1);
+  const unsigned n_pairs = pairs ? num_m / 2 : 0;
+  const unsigned num_items = pairs ? (num_m - n_pairs) * entries : num_m * entries;
+  unsigned entry;
+  const unsigned w = blockIdx.x + (k >> unsigned(pairs)) * gridDim.x;
+  if (w >= num_items) return kEnd;
+  if (!pairs) {
+    entry = w / num_m;
+    m_block = num_m - 1 - w % num_m;
+  } else if (w < n_pairs * entries) {
+    const unsigned j = w % max(n_pairs, 1u);
+    entry = w / max(n_pairs, 1u);
+    m_block = (k & 1) ? j : num_m - 1 - j;
+  } else {
+    if (k & 1) return kSkip;   // a middle tile alone
+    entry = w - n_pairs * entries;
+    m_block = n_pairs;
+  }
+  head = entry % unsigned(p.num_heads);
+  z = entry / unsigned(p.num_heads);
+  return kItem;
+}
+
+// A fetched schedule (varlen calls of the TMA producer: the host knows no sequence's length,
+// so no static stride is balanced): a persistent grid whose blocks take items from
+// sched.tile_counter as they go, in the order of the 3-d grid (row tiles heavy first, heads,
+// batch x split entries), counting only row tiles inside their sequence. Thread 0 of the
+// producer warpgroup fetches and hands the item to the warpgroup (the producer barrier) and
+// to the consumers (the tile's Q full barrier: fetched_item) through item slot k % 2:
+// {m_block, head, z, the items of the entries before z} (m_block -1 ends the walk); the
+// next fetch walks on from the last slot's entry (a cursor in shared memory, not in the
+// producer's few registers).
+template <typename Tr>
+__device__ __forceinline__ Sm90Next fetch_item(const FlashFwdParams& p,
+                                               const FlashSm90Schedule& sched, Sm90Smem<Tr> sm,
+                                               int ptid, unsigned k, unsigned& m_block,
+                                               unsigned& head, unsigned& z) {
+  const u32 slot = sm.item_slot(k & 1);
+  if (ptid == 0) {
+    const unsigned w = atomicAdd(sched.tile_counter, 1u);
+    int item[4] = {-1, 0, 0, 0};   // m_block, head, z, items before z
+    if (k > 0) {
+      asm volatile("ld.shared.v2.s32 {%0, %1}, [%2];\n"
+                   : "=r"(item[2]), "=r"(item[3]) : "r"(sm.item_slot((k - 1) & 1) + 8));
+    }
+    const unsigned entries = p.batch * (Tr::SPLIT ? p.num_splits : 1);
+    const int* cu = static_cast<const int*>(p.cu_seqlens_q);
+#pragma unroll 1
+    for (; unsigned(item[2]) < entries; ++item[2]) {
+      const unsigned b = Tr::SPLIT ? unsigned(item[2]) / unsigned(p.num_splits) : item[2];
+      const unsigned tiles = unsigned(cu[b + 1] - cu[b] + Tr::BLOCK_M - 1) / Tr::BLOCK_M;
+      const unsigned n = tiles * unsigned(p.num_heads);
+      if (w < unsigned(item[3]) + n) {
+        const unsigned local = w - unsigned(item[3]);
+        item[0] = int(tiles - 1 - local % tiles);
+        item[1] = int(local / tiles);
+        break;
+      }
+      item[3] += int(n);
+    }
+    asm volatile("st.shared.v4.s32 [%0], {%1, %2, %3, %4};\n"
+                 :: "r"(slot), "r"(item[0]), "r"(item[1]), "r"(item[2]), "r"(item[3])
+                 : "memory");
+  }
+  named_barrier_sync(Tr::PRODUCER_BARRIER, Tr::PRODUCER_THREADS);
+  int m, h, zz;
+  asm volatile("ld.shared.v2.s32 {%0, %1}, [%3];\n"
+               "ld.shared.s32 %2, [%3+8];\n"
+               : "=r"(m), "=r"(h), "=r"(zz) : "r"(slot) : "memory");
+  if (m >= 0) {
+    m_block = unsigned(m);
+    head = unsigned(h);
+    z = unsigned(zz);
+    return kItem;
+  }
+  // the end, for the consumers too: the last tile's Q freed, an arrival without bytes
+  if (ptid == 0) {
+    mbar_wait(sm.q_empty(), (k & 1) ^ 1);
+    mbar_arrive(sm.q_full());
+  }
+  return kEnd;
+}
+
+template <typename Tr>
+__device__ __forceinline__ Sm90Next fetched_item(Sm90Smem<Tr> sm, unsigned k, unsigned& m_block,
+                                                 unsigned& head, unsigned& z) {
+  mbar_wait(sm.q_full(), k & 1);
+  int m, h, zz, pad;
+  asm volatile("ld.shared.v4.s32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(m), "=r"(h), "=r"(zz), "=r"(pad) : "r"(sm.item_slot(k & 1)) : "memory");
+  m_block = unsigned(m);
+  head = unsigned(h);
+  z = unsigned(zz);
+  return m >= 0 ? kItem : kEnd;
 }
 
 // The K / V ring across a block's tiles: its step `step` (counted over every tile so far)
@@ -296,10 +392,17 @@ struct RingSlot {
 // arrives once every thread's copies landed.
 template <typename Tr, bool VARLEN>
 __device__ __forceinline__ void tma_produce(const FlashFwdParams& p, const FlashTmaMaps& maps,
-                                            Sm90Smem<Tr> sm, int ptid) {
+                                            const FlashSm90Schedule& sched, Sm90Smem<Tr> sm,
+                                            int ptid) {
   using T = typename Tr::T;
   constexpr int BN = Tr::BLOCK_N, COL_BLOCKS = Tr::HEAD_DIM / 64;
-  for_each_tile<Tr, VARLEN ? 1 : -1>(p, [&](const Sm90Block& blk, const typename Tr::Mask&) {
+  // (varlen forms without a fetched schedule: the block's own tile, grid_item's first)
+  constexpr bool FETCH = VARLEN && Tr::FETCH_VARLEN, ONE = VARLEN && !Tr::FETCH_VARLEN;
+  auto next = [&](unsigned k, unsigned& m_block, unsigned& head, unsigned& z) {
+    return FETCH ? fetch_item<Tr>(p, sched, sm, ptid, k, m_block, head, z)
+                 : grid_item<Tr>(p, k, m_block, head, z);
+  };
+  for_each_tile<Tr, ONE>(p, next, [&](const Sm90Block& blk, const typename Tr::Mask&) {
     const int batch = VARLEN ? 0 : blk.b;   // map coordinates: (column, row, head, batch)
     auto load_q = [&]() {
       mbar_wait(sm.q_empty(), blk.q_phase ^ 1);
@@ -367,7 +470,10 @@ __device__ __forceinline__ void cp_async_produce(const FlashFwdParams& p, Sm90Sm
   using T = typename Tr::T;
   constexpr int BN = Tr::BLOCK_N;
   const int head_dim_chunks = p.head_dim / 8;
-  for_each_tile<Tr, -1>(p, [&](const Sm90Block& blk, const typename Tr::Mask&) {
+  auto next = [&](unsigned k, unsigned& m_block, unsigned& head, unsigned& z) {
+    return grid_item<Tr>(p, k, m_block, head, z);
+  };
+  for_each_tile<Tr>(p, next, [&](const Sm90Block& blk, const typename Tr::Mask&) {
     const SeqRange qr = blk.qr, kr = blk.kr;
     const int b = blk.b, kvh = blk.kvh;
     const T* q_ptr = static_cast<const T*>(p.q) + b * p.q_stride_batch +
@@ -404,11 +510,12 @@ __device__ __forceinline__ void cp_async_produce(const FlashFwdParams& p, Sm90Sm
   cp_async_wait<0>();   // nothing may still be writing shared memory when the block exits
 }
 
-// Grid: (min(items, SMs)) for dense calls, (ceil(max_seqlen_q / BLOCK_M), num_heads, batch x
-// num_splits) for varlen ones (for_each_tile); outputs as flash_fwd_kernel; block: THREADS =
-// 128 x (1 + NUM_WG).
+// Grid: (min(items, SMs)) for dense calls and varlen ones by TMA (a fetched schedule),
+// (ceil(max_seqlen_q / BLOCK_M), num_heads, batch x num_splits) for varlen ones by cp.async
+// (grid_item); outputs as flash_fwd_kernel; block: THREADS = 128 x (1 + NUM_WG).
 template <typename Tr>
-__device__ void flash_fwd_sm90_kernel(const FlashFwdParams& p, const FlashTmaMaps& maps) {
+__device__ void flash_fwd_sm90_kernel(const FlashFwdParams& p, const FlashTmaMaps& maps,
+                                      const FlashSm90Schedule& sched) {
   using T = typename Tr::T;
   constexpr int BN = Tr::BLOCK_N;
 
@@ -439,10 +546,10 @@ __device__ void flash_fwd_sm90_kernel(const FlashFwdParams& p, const FlashTmaMap
         tma_prefetch(maps.k);
         tma_prefetch(maps.v);
       }
-      if (p.cu_seqlens_q != nullptr) {   // (varlen: cu_seqlens_k too)
-        tma_produce<Tr, true>(p, maps, sm, tid);
+      if (p.cu_seqlens_q != nullptr) {   // (varlen: cu_seqlens_k too; a fetched schedule)
+        tma_produce<Tr, true>(p, maps, sched, sm, tid);
       } else if (tid == 0) {
-        tma_produce<Tr, false>(p, maps, sm, tid);
+        tma_produce<Tr, false>(p, maps, sched, sm, tid);
       }
     } else {
       cp_async_produce<Tr>(p, sm, tid);
@@ -480,7 +587,12 @@ __device__ void flash_fwd_sm90_kernel(const FlashFwdParams& p, const FlashTmaMap
     return desc_advance(sw128_desc(sm.v_tile(s), BN * 128), kk * (16 * 128));
   };
 
-  for_each_tile<Tr, -1>(p, [&](const Sm90Block& blk, const typename Tr::Mask& mask) {
+  auto next = [&](unsigned k, unsigned& m_block, unsigned& head, unsigned& z) {
+    return Tr::FETCH_VARLEN && sched.tile_counter != nullptr
+               ? fetched_item<Tr>(sm, k, m_block, head, z)
+               : grid_item<Tr>(p, k, m_block, head, z);
+  };
+  for_each_tile<Tr>(p, next, [&](const Sm90Block& blk, const typename Tr::Mask& mask) {
     const KeyTiles& tiles = blk.tiles;
     const int n_steps = tiles.n_steps;
     const int sk = blk.kr.len;

@@ -513,9 +513,11 @@ def test_more_row_tiles_than_sms(rng, flash_path, hd, sq, sk, causal, num_splits
 
 
 # Varlen calls with more row tiles than an H200 has SMs, odd lengths and empty sequences,
-# called twice on a cold L2: the guard for a persistent varlen schedule
-# (bench/lab/fetched_varlen.patch failed it before the producer's V ring fix: bench/NOTES.md,
-# "Stage 5"); the Hopper kernel runs them one block per row tile today.
+# called twice on a cold L2: the Hopper kernel's TMA forms of two consumer warpgroups run
+# them on a persistent grid whose blocks fetch the tiles from a counter (every call zeroes
+# it), three-warpgroup forms (hd64) one block per tile. Causal masks with key tiles smaller
+# than the row tiles put the sequence's edge tile late in a tile's walk, where a producer
+# thread that skipped the V ring's earlier phases once took a stale one (bench/NOTES.md).
 _MANY_VARLEN_Q = [0, 700, 1, 2100, 37, 0, 1500, 129, 513, 1023, 64, 300]
 _MANY_VARLEN_K = [5, 800, 1, 2100, 237, 0, 1500, 329, 513, 1123, 264, 300]
 
@@ -532,6 +534,7 @@ def test_varlen_more_row_tiles_than_sms(rng, flash_path, hd, causal, num_splits)
         v = tuning.flash_kernel_variant("bf16", hd, mask=MASK_CAUSAL if causal else MASK_NONE,
                                         split=num_splits > 1, arch="sm_90", features=0, tma=True,
                                         seqlen_q=max(lens_q))
+        assert v.fetches_varlen == (v.block_m == 128)
         tiles = sum(-(-n // v.block_m) for n in lens_q) * h * num_splits
         assert tiles > cupy.cuda.Device().attributes["MultiProcessorCount"], tiles
     q, k, v, cu_q, cu_k, dcu_q, dcu_k = _pack_varlen(rng, lens_q, lens_k, h, hkv, hd, BF16)

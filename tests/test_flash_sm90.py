@@ -55,16 +55,20 @@ def test_every_form_compiles_for_sm90a_without_spills():
 
 
 def test_tma_forms_take_the_tensor_maps():
-    """Every Hopper form takes FlashTmaMaps after its params (zeros for cp.async forms), and
-    the TMA form's name says so."""
+    """Every Hopper form takes FlashTmaMaps and FlashSm90Schedule after its params (zeros
+    for cp.async forms and calls without a fetched schedule), and the TMA form's name says
+    so."""
     v = tuning.flash_sm90_variant("bf16", 128, mask=MASK_CAUSAL, split=False, tma=True)
     assert v.name == "cuattn_flash_fwd_sm90__bf16_hd128_bm128_bn128_st2_tma_c1"
     for form in (v, tuning.flash_sm90_variant("bf16", 128, mask=MASK_CAUSAL, split=False)):
         src = form.source()
         assert "const __grid_constant__ cuattn::FlashTmaMaps maps" in src
-        assert "flash_fwd_sm90_kernel<Traits>(params, maps);" in src
+        assert "const __grid_constant__ cuattn::FlashSm90Schedule sched" in src
+        assert "flash_fwd_sm90_kernel<Traits>(params, maps, sched);" in src
+        assert f"Traits::FETCH_VARLEN == {str(form.fetches_varlen).lower()}" in src
     from cuattn import _tma
     assert _tma.MAPS_DTYPE.itemsize == 3 * 128 and _tma.no_maps([])[0].tobytes() == bytes(384)
+    assert _tma.no_maps([])[1].nbytes == 8 and int(_tma.no_maps([])[1]) == 0
     # the driver's enumerators, spelled by hand for the ctypes call
     from cuda.bindings import driver as d
     assert _tma.DATA_TYPE == {"f16": d.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
@@ -128,13 +132,21 @@ def test_the_short_causal_rule():
 
 def test_the_grid_rule():
     """Dense calls: one block per SM at most, over items that pair row tiles under a causal
-    mask (9 tiles: 4 pairs and a middle one); varlen calls: one block per row tile."""
+    mask (9 tiles: 4 pairs and a middle one); varlen calls of TMA forms with two consumer
+    warpgroups: one block per SM at most over the row tiles (fetched); other varlen calls
+    one block per row tile."""
     causal = tuning.flash_sm90_variant("bf16", 128, mask=MASK_CAUSAL, split=False, tma=True)
     full = tuning.flash_sm90_variant("bf16", 128, mask=MASK_NONE, split=False, tma=True)
     assert causal.grid(9, 1, 1, varlen=False, sm_count=132) == (5,)
     assert full.grid(9, 1, 1, varlen=False, sm_count=132) == (9,)
     assert causal.grid(9, 16, 4, varlen=False, sm_count=132) == (132,)
-    assert causal.grid(9, 16, 4, varlen=True, sm_count=132) == (9, 16, 4)
+    assert causal.grid(9, 16, 4, varlen=True, sm_count=132) == (132,)
+    assert causal.grid(9, 1, 4, varlen=True, sm_count=132) == (36,)
+    cp_async = tuning.flash_sm90_variant("bf16", 128, mask=MASK_CAUSAL, split=False)
+    assert cp_async.grid(9, 16, 4, varlen=True, sm_count=132) == (9, 16, 4)
+    three = FlashFwdSm90Variant("bf16", 64, 192, 128, 2, MASK_CAUSAL, False, 0, True)
+    assert causal.fetches_varlen and not cp_async.fetches_varlen and not three.fetches_varlen
+    assert three.grid(9, 16, 4, varlen=True, sm_count=132) == (9, 16, 4)
 
 
 def test_the_path_rule():

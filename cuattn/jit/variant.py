@@ -60,6 +60,11 @@ class Variant:
         device's own, unless the kernel needs an arch-specific target such as ``sm_90a``."""
         return device_arch
 
+    def traits_asserts(self) -> tuple:
+        """(traits constant, the value Python derives for it) pairs the generated source
+        static_asserts."""
+        return ()
+
     def runs_on(self, arch: str) -> bool:
         """Whether a device of ``arch`` can run the kernel (precompile skips the others)."""
         return True
@@ -76,6 +81,9 @@ class Variant:
         smem = (f"static_assert(Traits::SMEM_BYTES == {self.dynamic_smem_bytes}, "
                 f"\"{self.name}: shared memory differs from its Python value\");\n"
                 if self.smem_from_traits else "")
+        smem += "".join(f"static_assert(Traits::{k} == {_cpp_literal(v)}, "
+                        f"\"{self.name}: {k} differs from its Python value\");\n"
+                        for k, v in self.traits_asserts())
         arguments = ",\n    ".join(
             f"const __grid_constant__ cuattn::{cpp} {name}"
             for cpp, name in ((self.params.cpp_name, "params"),) + self.extra_params)
