@@ -11,6 +11,7 @@ Inputs are sized well past the 60 MB L2 of an H200, or rotated, or L2 is flushed
 from __future__ import annotations
 
 import statistics
+import time
 from dataclasses import dataclass
 
 import cupy
@@ -29,7 +30,7 @@ def randn(*shape, dtype=None) -> cupy.ndarray:
 
 
 def median_ms(fn, *, n_warmup: int = 10, n_repeat: int = 50, flush_l2: bool | str = False,
-              graph: int = 0) -> float:
+              graph: int = 0, settle_s: float = 0.0) -> float:
     """Median GPU time of ``fn()`` in milliseconds.
 
     ``graph=n`` captures n back-to-back calls of ``fn`` in a CUDA graph and times its
@@ -37,11 +38,13 @@ def median_ms(fn, *, n_warmup: int = 10, n_repeat: int = 50, flush_l2: bool | st
     path in between (see ``CupyGraph``). Without it, one call between two events with a
     sync after each rep (the host launch time of a short call lands inside). ``flush_l2``
     empties the L2 of ``fn``'s data before every rep, outside the timed region (see
-    ``L2Flush``): ``True`` or ``"clean"``, or ``"dirty"``.
+    ``L2Flush``): ``True`` or ``"clean"``, or ``"dirty"``. ``settle_s``: see
+    ``event_median_ms`` (graph replays only).
     """
     flush = L2Flush(flush_l2) if flush_l2 else None
     if graph:
-        return CupyGraph(fn, graph).median_ms(n_warmup=n_warmup, n_repeat=n_repeat, flush=flush)
+        return CupyGraph(fn, graph).median_ms(n_warmup=n_warmup, n_repeat=n_repeat, flush=flush,
+                                              settle_s=settle_s)
     if flush is None:
         res = benchmark(fn, n_warmup=n_warmup, n_repeat=n_repeat)
         return float(np.median(res.gpu_times[0]) * 1e3)
@@ -50,7 +53,7 @@ def median_ms(fn, *, n_warmup: int = 10, n_repeat: int = 50, flush_l2: bool | st
 
 
 def event_median_ms(body, start, stop, elapsed_ms, *, n_warmup: int, n_repeat: int,
-                    per: int = 1, before=None) -> float:
+                    per: int = 1, before=None, settle_s: float = 0.0) -> float:
     """Median over ``n_repeat`` reps (after ``n_warmup``) of the time between ``start`` and
     ``stop`` recorded around ``body()`` on the current stream, divided by ``per``.
 
@@ -58,7 +61,20 @@ def event_median_ms(body, start, stop, elapsed_ms, *, n_warmup: int, n_repeat: i
     (``elapsed_ms=lambda a, b: a.elapsed_time(b)``): both record on their library's current
     stream. ``before(i)`` runs before each rep, outside the timed region; the host waits for
     ``stop`` after each rep, so reps never overlap.
+
+    ``settle_s``: first ``body()`` back to back for that many seconds, untimed, so that the
+    reps run at the clocks of a sustained load of ``body`` rather than the boost clocks an
+    idle spell (a capture, a compile, the previous measurement's host work) leaves behind.
+    A power-bound kernel needs it: on the H200 a 690 W attention load takes the SM clock
+    from about 1980 MHz to 1500-1650 MHz within about half a second, and rates measured in
+    that half second read up to 15% high (bench/NOTES.md, "Eager at S 2048").
     """
+    if settle_s > 0:
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < settle_s:
+            body()
+            stop.record()
+            stop.synchronize()
     times = []
     for i in range(n_warmup + n_repeat):
         if before is not None:
@@ -108,32 +124,34 @@ class CupyGraph:
         self.stream = cupy.cuda.Stream(non_blocking=True)
         self.graph = _capture(fn, calls, self.stream, self.stream.end_capture)
 
-    def median_ms(self, *, n_warmup: int = 3, n_repeat: int = 20, flush=None) -> float:
+    def median_ms(self, *, n_warmup: int = 3, n_repeat: int = 20, flush=None,
+                  settle_s: float = 0.0) -> float:
         """Median per call over ``n_repeat`` replays (after ``n_warmup``), each between two
         events on the replay stream; ``flush(i)`` (an ``L2Flush``) runs on the same stream
-        before every replay, outside the timed region."""
+        before every replay, outside the timed region; ``settle_s`` as event_median_ms."""
         with self.stream:
             return event_median_ms(lambda: self.graph.launch(self.stream), cupy.cuda.Event(),
                                    cupy.cuda.Event(), cupy.cuda.get_elapsed_time,
                                    n_warmup=n_warmup, n_repeat=n_repeat, per=self.calls,
-                                   before=flush)
+                                   before=flush, settle_s=settle_s)
 
 
-def eager_ms(fn, *, calls: int = 20, n_warmup: int = 1, n_repeat: int = 5) -> float:
+def eager_ms(fn, *, calls: int = 20, n_warmup: int = 1, n_repeat: int = 5,
+             settle_s: float = 0.0) -> float:
     """Eager back-to-back: ``calls`` calls of ``fn`` between two CuPy events on CuPy's
     current stream, no sync inside; the median over reps of time / calls.
 
     What a loop of eager calls costs per call: the GPU time when the kernels are longer
     than the host's launch path (the queue stays ahead), the host time when they are not,
     plus 1/calls of one launch path (the GPU waits for the first call). ``fn`` runs once
-    first (compile / load), after a device sync.
+    first (compile / load), after a device sync; ``settle_s`` as event_median_ms.
     """
     cupy.cuda.Device().synchronize()
     fn()
     cupy.cuda.Device().synchronize()
     return event_median_ms(lambda: repeat_calls(fn, calls), cupy.cuda.Event(), cupy.cuda.Event(),
                            cupy.cuda.get_elapsed_time, n_warmup=n_warmup, n_repeat=n_repeat,
-                           per=calls)
+                           per=calls, settle_s=settle_s)
 
 
 def kernel_launches(fn) -> int | None:

@@ -14,6 +14,11 @@ Every library is timed two ways, and a ratio only ever divides two times of one 
   inside, median of time / calls over ``EAGER_REPS`` reps (``harness.eager_ms``,
   ``torch_peers.eager_ms``): what a loop of calls costs, host launch path included where it
   is longer than the kernel.
+Before every measurement of either method the measured calls run untimed for ``SETTLE_S``
+seconds, so every library is timed at the clocks of its own sustained load: attention at
+these sizes is power-bound on the H200 (about 690 W), whose SM clock falls from its boost
+to 1500-1650 MHz within half a second of load, and a measurement that starts after an idle
+spell reads up to 15% high (bench/NOTES.md, "Eager at S 2048").
 Peers: SDPA forced to FLASH_ATTENTION ("FA2", PyTorch's bundled FlashAttention-2) and to
 CUDNN_ATTENTION, on the same memory (DLPack, (B, H, S, D) views of the (B, S, H, D) arrays),
 each only where torch is importable and the backend accepts the shape (else empty cells).
@@ -50,6 +55,7 @@ QUICK_HD256_SEQLENS = (2048,)
 NAIVE_MAX_SCORE_BYTES = 8 << 30       # fp32 scores of the naive peer must stay under this
 GRAPH_CALLS, GRAPH_REPS = 5, 20
 EAGER_CALLS, EAGER_REPS = 20, 5
+SETTLE_S = 0.3
 PEERS = (("FA2", "FLASH_ATTENTION"), ("cuDNN", "CUDNN_ATTENTION"))
 VARLEN_LENGTHS = (3071, 2049, 1536, 1279, 1025, 1024, 1023, 896, 769, 767, 640, 513, 511,
                   512, 385, 384)                  # 16 sequences, 16384 tokens
@@ -114,21 +120,25 @@ def run(ceilings, quick: bool) -> list[dict]:
                 cuattn.flash_forward(q, k, v, causal=causal, out=out)
 
             # No split at these shapes (the grid fills the GPU), so the call allocates nothing.
-            graph = {"cuattn": tflops(median_ms(call, graph=GRAPH_CALLS, n_warmup=2,
-                                                n_repeat=GRAPH_REPS))}
-            eager = {"cuattn": tflops(eager_ms(call, calls=EAGER_CALLS, n_repeat=EAGER_REPS))}
+            def graph_rate():
+                return tflops(median_ms(call, graph=GRAPH_CALLS, n_warmup=2,
+                                        n_repeat=GRAPH_REPS, settle_s=SETTLE_S))
+
+            def eager_rate():
+                return tflops(eager_ms(call, calls=EAGER_CALLS, n_repeat=EAGER_REPS,
+                                       settle_s=SETTLE_S))
+
+            graph, eager = {"cuattn": graph_rate()}, {"cuattn": eager_rate()}
             if two_paths:   # the mma.sync kernel too, where the default is the wgmma one
                 with tuning.override(flash_path="mma"):
-                    graph["cuattn-mma"] = tflops(median_ms(call, graph=GRAPH_CALLS, n_warmup=2,
-                                                           n_repeat=GRAPH_REPS))
-                    eager["cuattn-mma"] = tflops(eager_ms(call, calls=EAGER_CALLS,
-                                                          n_repeat=EAGER_REPS))
+                    graph["cuattn-mma"], eager["cuattn-mma"] = graph_rate(), eager_rate()
             for name, backend in PEERS:
                 g_ms = e_ms = None
                 if views is not None:
                     g_ms, e_ms = torch_peers.sdpa_times(
                         tt, *views, causal=causal, backend_name=backend, graph_calls=GRAPH_CALLS,
-                        eager_calls=EAGER_CALLS, graph_reps=GRAPH_REPS, eager_reps=EAGER_REPS)
+                        eager_calls=EAGER_CALLS, graph_reps=GRAPH_REPS, eager_reps=EAGER_REPS,
+                        settle_s=SETTLE_S)
                 graph[name], eager[name] = tflops(g_ms), tflops(e_ms)
             row = {"config": label(d, s, causal),
                    "% matmul (graph)": 100 * graph["cuattn"] / ceilings.matmul_tflops}
@@ -169,7 +179,7 @@ def varlen_rows(quick: bool) -> list[dict]:
                  "dense": lambda: cuattn.flash_forward(dq, dk, dv, causal=causal,
                                                        out=out.reshape(dq.shape))}
         rates = {name: work[name] / median_ms(fn, graph=GRAPH_CALLS, n_warmup=2,
-                                              n_repeat=GRAPH_REPS) / 1e9
+                                              n_repeat=GRAPH_REPS, settle_s=SETTLE_S) / 1e9
                  for name, fn in calls.items()}
         rows.append({"config": f"varlen hd{d} {n} seqs {total} tokens "
                                f"{'causal' if causal else 'full'}",

@@ -51,9 +51,11 @@ def bhsd_views(tt: Torch | None, *arrays):
         return None
 
 
-def graph_ms(tt: Torch, fn, *, calls: int, n_warmup: int = 2, n_repeat: int = 20) -> float:
+def graph_ms(tt: Torch, fn, *, calls: int, n_warmup: int = 2, n_repeat: int = 20,
+             settle_s: float = 0.0) -> float:
     """Kernel-only: median per call of CUDA-graph replays of ``calls`` calls of ``fn``.
-    ``fn`` must already have run once (compiled, plans built)."""
+    ``fn`` must already have run once (compiled, plans built); ``settle_s`` as
+    harness.event_median_ms."""
     torch = tt.torch
     torch.cuda.synchronize()
     side = torch.cuda.Stream()            # warm-up on a side stream, as torch asks before capture
@@ -66,19 +68,21 @@ def graph_ms(tt: Torch, fn, *, calls: int, n_warmup: int = 2, n_repeat: int = 20
     with torch.cuda.graph(g):
         repeat_calls(fn, calls)
     ms = event_median_ms(g.replay, *_events(torch), n_warmup=n_warmup, n_repeat=n_repeat,
-                         per=calls)
+                         per=calls, settle_s=settle_s)
     del g
     torch.cuda.synchronize()
     return ms
 
 
-def eager_ms(tt: Torch, fn, *, calls: int = 20, n_warmup: int = 1, n_repeat: int = 5) -> float:
+def eager_ms(tt: Torch, fn, *, calls: int = 20, n_warmup: int = 1, n_repeat: int = 5,
+             settle_s: float = 0.0) -> float:
     """Eager back-to-back: ``calls`` calls between two torch events on torch's current
-    stream, no sync inside; median of time / calls."""
+    stream, no sync inside; median of time / calls (``settle_s`` as
+    harness.event_median_ms)."""
     torch = tt.torch
     torch.cuda.synchronize()
     return event_median_ms(lambda: repeat_calls(fn, calls), *_events(torch), n_warmup=n_warmup,
-                           n_repeat=n_repeat, per=calls)
+                           n_repeat=n_repeat, per=calls, settle_s=settle_s)
 
 
 def _events(torch):
@@ -87,10 +91,12 @@ def _events(torch):
 
 
 def sdpa_times(tt: Torch, tq, tk, tv, *, causal: bool, backend_name: str, graph_calls: int,
-               eager_calls: int, graph_reps: int = 20, eager_reps: int = 5):
+               eager_calls: int, graph_reps: int = 20, eager_reps: int = 5,
+               settle_s: float = 0.0):
     """(kernel-only ms, eager ms) per call of SDPA forced to one backend on (B, H, S, D)
     tensors, or (None, None) where the backend is missing or refuses the shape (checked by
-    an eager call first), or (None, eager) where only the capture fails."""
+    an eager call first), or (None, eager) where only the capture fails; ``settle_s`` before
+    each (harness.event_median_ms)."""
     torch = tt.torch
     backend = getattr(tt.sdpa_backend, backend_name, None)
     if backend is None:
@@ -108,9 +114,10 @@ def sdpa_times(tt: Torch, tq, tk, tv, *, causal: bool, backend_name: str, graph_
             torch.cuda.synchronize()
         except Exception:            # not built here, or not for this shape / dtype
             return None, None
-        eager = eager_ms(tt, call, calls=eager_calls, n_repeat=eager_reps)
+        eager = eager_ms(tt, call, calls=eager_calls, n_repeat=eager_reps, settle_s=settle_s)
         try:
-            kernel = graph_ms(tt, call, calls=graph_calls, n_repeat=graph_reps)
+            kernel = graph_ms(tt, call, calls=graph_calls, n_repeat=graph_reps,
+                              settle_s=settle_s)
         except Exception as exc:     # capture refused: report eager only
             print(f"torch SDPA {backend_name}: graph capture failed: {exc!r:.120}", flush=True)
             torch.cuda.synchronize()
