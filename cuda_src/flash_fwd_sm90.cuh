@@ -84,8 +84,9 @@ struct FlashFwdSm90Traits : FlashFeatures<FEATURES_> {
   // A full barrier's arrivals: the one TMA-issuing thread (its expect_tx carries the bytes),
   // or every producer thread (cp.async.mbarrier.arrive once its copies landed).
   static constexpr int FULL_ARRIVALS = TMA ? 1 : PRODUCER_THREADS;
-  // Named barriers: the producer warpgroup's (its varlen V edge copies), then one per
-  // consumer warpgroup (O_IN_Q: its wgmmas have read its Q tile before the epilogue reuses it).
+  // Named barriers: the producer warpgroup's (varlen: its V edge copies, a fetched item),
+  // then one per consumer warpgroup (O_IN_Q: its wgmmas have read its Q tile before the
+  // epilogue reuses it).
   static constexpr int PRODUCER_BARRIER = 1;
   static constexpr int CONSUMER_BARRIER_0 = 2;
   // The schedule (for_each_tile): a causal block walks pairs of row tiles, a heavy one and a
@@ -438,13 +439,17 @@ __device__ __forceinline__ void tma_produce(const FlashFwdParams& p, const Flash
         tma_tile(sm.k_tile(s), maps.k, sm.k_full(s), sm.k_empty(s), slot.phase, key0);
         if (n == 0) load_q();
       }
-      // Varlen: every producer thread follows the V ring step by step, not only to its edge
-      // tiles: a thread whose last wait was two rounds back could take a phase that old for
-      // the one it wants (an mbarrier parity names a phase mod 2) and overwrite a V tile the
-      // consumers still read (an edge tile 2 x STAGES steps into the walk: windows at hd
-      // 192 / 256).
-      if (VARLEN) mbar_wait(sm.v_empty(s), slot.phase ^ 1);
+      // Varlen: a V tile crossing its sequence's end is copied by the whole warpgroup
+      // (cp.async, zero-filled past the end). Thread 0 alone follows the ring's phases, every
+      // step in order; the others meet it at the producer barrier once the stage is free. An
+      // mbarrier parity names a phase mod 2, so a thread that waits on the ring itself can
+      // fall two phases behind thread 0 (which runs ahead on TMA steps): it then takes an
+      // old phase for its own and overwrites V in use (waiting only at edge tiles: session
+      // 6), or waits for a phase only this warpgroup's next copy completes, a deadlock
+      // (waiting every step: seen under racecheck, bench/NOTES.md "Session 7").
       if (VARLEN && key0 + BN > blk.kr.len) {
+        if (ptid == 0) mbar_wait(sm.v_empty(s), slot.phase ^ 1);
+        named_barrier_sync(Tr::PRODUCER_BARRIER, Tr::PRODUCER_THREADS);   // the stage is free
         const T* v_ptr = static_cast<const T*>(p.v) + (long long)blk.kr.start * p.v_stride_row +
                          blk.kvh * p.v_stride_head;
         copy_tile<Tr, BN, BN>(sm.v_tile(s), v_ptr, p.v_stride_row, key0, blk.kr.len,

@@ -37,10 +37,11 @@ command -v "$cs" > /dev/null || { echo "sanitize.sh: $cs not found (set COMPUTE_
 
 # Odd lengths and partial tiles (113x203, 37x91, 1x147), seqlen_k = 0 and rows that see no
 # key, varlen with empty sequences, split-KV (+ combine) for head dims 64/96/128/256, every
-# flash form (plain, causal, window); paged v1/v2 with one and many partitions (128..1024),
-# partial last KV blocks at block sizes 8/16/32, empty sequences, GQA 1..16, fp8, ALiBi,
-# both forms of the paged kernel (tensor-core, CUDA-core) on odd groups;
-# reshape_and_cache; merge (pair, stacked, +/-inf); CUDA-graph replays of all of them;
+# flash form (plain, causal, window) on both flash kernels (mma.sync and, on sm_90, wgmma:
+# TMA and cp.async loads, the fetched varlen schedule, narrow key tiles); paged v1/v2 with
+# one and many partitions (128..1024), partial last KV blocks at block sizes 8/16/32, empty
+# sequences, GQA 1..16, fp8, ALiBi, both forms of the paged kernel (tensor-core, CUDA-core)
+# on odd groups; reshape_and_cache; merge (pair, stacked, +/-inf); CUDA-graph replays of all of them;
 # paged_prefill (both layouts, block sizes 1 and 8, few and many rows, split + sinks, every
 # hook, prefix sharing, graph replay; the few-token form v1 and v2, hooks and windows, 3
 # n-tiles; fp8 caches in both layouts), NHD reshape_and_cache, the hooks on flash and on
@@ -48,16 +49,36 @@ command -v "$cs" > /dev/null || { echo "sanitize.sh: $cs not found (set COMPUTE_
 reduced="tests/test_merge.py
  tests/test_flash.py::test_small_against_numpy_float64
  tests/test_flash.py::test_seqlen_k_zero_and_no_key_rows
- tests/test_flash.py::test_sweep[d64-113x203-nc] tests/test_flash.py::test_sweep[d128-113x203-nc]
- tests/test_flash.py::test_sweep[d256-113x203-c]
- tests/test_flash.py::test_window[w16_8-113-203-64] tests/test_flash.py::test_window[w40_0c-113-203-256]
- tests/test_flash.py::test_window[w-1_5-1-147-128]
- tests/test_flash.py::test_strided_bhsd_views_and_scale[128]
- tests/test_flash.py::test_varlen[3-True-mixed] tests/test_flash.py::test_varlen[3-False-decode-like]
- tests/test_flash.py::test_varlen[1-False-with-empty]
- tests/test_flash.py::test_num_splits_match_unsplit[128-1-8192-False]
- tests/test_flash.py::test_num_splits_match_unsplit[64-16-5000-True]
- tests/test_flash.py::test_num_splits_match_unsplit[256-3-3000-False]
+ tests/test_flash.py::test_sweep[mma-d64-113x203-nc]
+ tests/test_flash.py::test_sweep[mma-d128-113x203-nc]
+ tests/test_flash.py::test_sweep[mma-d256-113x203-c]
+ tests/test_flash.py::test_window[mma-w16_8-113-203-64]
+ tests/test_flash.py::test_window[mma-w40_0c-113-203-256]
+ tests/test_flash.py::test_window[mma-w-1_5-1-147-128]
+ tests/test_flash.py::test_strided_bhsd_views_and_scale[mma-128]
+ tests/test_flash.py::test_varlen[mma-3-True-mixed]
+ tests/test_flash.py::test_varlen[mma-3-False-decode-like]
+ tests/test_flash.py::test_varlen[mma-1-False-with-empty]
+ tests/test_flash.py::test_num_splits_match_unsplit[mma-128-1-8192-False]
+ tests/test_flash.py::test_num_splits_match_unsplit[mma-64-16-5000-True]
+ tests/test_flash.py::test_num_splits_match_unsplit[mma-256-3-3000-False]
+ tests/test_flash.py::test_sweep[wgmma-d64-113x203-nc]
+ tests/test_flash.py::test_sweep[wgmma-d128-113x203-nc]
+ tests/test_flash.py::test_sweep[wgmma-d256-113x203-c]
+ tests/test_flash.py::test_window[wgmma-w16_8-113-203-64]
+ tests/test_flash.py::test_window[wgmma-w40_0c-113-203-256]
+ tests/test_flash.py::test_window[wgmma-w-1_5-1-147-128]
+ tests/test_flash.py::test_strided_bhsd_views_and_scale[wgmma-128]
+ tests/test_flash.py::test_varlen[wgmma-3-True-mixed]
+ tests/test_flash.py::test_varlen[wgmma-3-False-decode-like]
+ tests/test_flash.py::test_varlen[wgmma-1-False-with-empty]
+ tests/test_flash.py::test_num_splits_match_unsplit[wgmma-128-1-8192-False]
+ tests/test_flash.py::test_num_splits_match_unsplit[wgmma-64-16-5000-True]
+ tests/test_flash.py::test_num_splits_match_unsplit[wgmma-256-3-3000-False]
+ tests/test_flash.py::test_tma_and_cp_async_loads[wgmma]
+ tests/test_flash.py::test_varlen_more_row_tiles_than_sms[wgmma-1-c-256]
+ tests/test_flash.py::test_varlen_more_row_tiles_than_sms[wgmma-2-c-128]
+ tests/test_flash.py::test_varlen_windows_with_narrow_key_tiles[wgmma-w300_0-256]
  tests/test_paged.py::test_gqa_ratios_v1_v2_auto_agree tests/test_paged.py::test_block_sizes
  tests/test_paged.py::test_fp8_cache tests/test_paged.py::test_partition_sizes_and_gqa_16
  tests/test_paged.py::test_alibi tests/test_paged.py::test_reshape_and_cache_round_trip
@@ -78,8 +99,10 @@ reduced="tests/test_merge.py
  tests/test_prefill.py::test_fp8_caches_head_sizes_hooks_splits[softcap+alibi+sinks-False-window1-0-80-8-bf16]
  tests/test_prefill.py::test_prefix_sharing tests/test_prefill.py::test_nhd_reshape_and_cache_round_trip
  tests/test_prefill.py::test_captured_in_a_cuda_graph_replays_with_new_lengths
- tests/test_prefill.py::test_flash_hooks[128-False-window2-softcap+alibi+sinks]
- tests/test_prefill.py::test_flash_hooks[256-True-window1-softcap+alibi+sinks]
+ tests/test_prefill.py::test_flash_hooks[mma-128-False-window2-softcap+alibi+sinks]
+ tests/test_prefill.py::test_flash_hooks[mma-256-True-window1-softcap+alibi+sinks]
+ tests/test_prefill.py::test_flash_hooks[wgmma-128-False-window2-softcap+alibi+sinks]
+ tests/test_prefill.py::test_flash_hooks[wgmma-256-True-window1-softcap+alibi+sinks]
  tests/test_prefill.py::test_flash_varlen_hooks_with_empty_sequences
  tests/test_prefill.py::test_decode_hooks_windows_and_layouts[window1-v1-softcap+alibi+sinks-nhd-256-mma]
  tests/test_prefill.py::test_decode_hooks_windows_and_layouts[window1-v2-softcap+alibi+sinks-nhd-1-mma]

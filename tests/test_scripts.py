@@ -1,0 +1,26 @@
+"""The device scripts against the test suite: every test id scripts/sanitize.sh names in its
+reduced suite exists (a renamed or re-parametrized test would otherwise make the sanitizer
+run fail at collection, on the device)."""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_the_sanitizer_suite_names_existing_tests():
+    script = (REPO / "scripts" / "sanitize.sh").read_text()
+    ids = re.search(r'^reduced="([^"]*)"', script, re.MULTILINE).group(1).split()
+    assert len(ids) > 40, ids
+    done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q",
+                           "-p", "no:cacheprovider", *ids], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    collected = [line for line in done.stdout.splitlines() if "::" in line]
+    # each named id (a file or an unparametrized name names several tests) collects one or more
+    for test_id in ids:
+        assert any(line == test_id or line.startswith((test_id + "::", test_id + "["))
+                   for line in collected), test_id
