@@ -115,7 +115,7 @@ class Plan:
     outputs: tuple[tuple[tuple, np.dtype], ...]  # (shape, dtype) of each allocated output
     scratch: tuple[int, ...] = ()               # byte offsets of the scratch parts
     scratch_bytes: int = 0
-    scratch_zeroed: tuple[int, ...] = ()        # (offset, bytes) zeroed before the launches
+    scratch_zeroed: tuple[int, ...] = ()        # (offset, bytes) zeroed before launching, or ()
     launches: tuple[Launch, ...] = ()
     # What the call returns: indices into (arguments..., allocated outputs...); one index
     # returns that array, several a tuple, none returns None.
@@ -244,15 +244,14 @@ def _run(plan: Plan, arrays: tuple, stream, ptrs: list):
             ptrs.append(o.data.ptr)
         if plan.scratch:
             scratch = cupy.cuda.alloc(plan.scratch_bytes)
-            A.keep_if_capturing(stream if stream is not None else cupy.cuda.get_current_stream(),
-                                scratch)
+            on = stream if stream is not None else cupy.cuda.get_current_stream()
+            A.keep_if_capturing(on, scratch)
             base = scratch.ptr
             for off in plan.scratch:
                 ptrs.append(base + off)
             if plan.scratch_zeroed:
                 off, n = plan.scratch_zeroed
-                s = stream if stream is not None else cupy.cuda.get_current_stream()
-                cupy.cuda.runtime.memsetAsync(base + off, 0, n, s.ptr)
+                cupy.cuda.runtime.memsetAsync(base + off, 0, n, on.ptr)
         for launch in plan.launches:
             args = (launch.params(ptrs),)
             if launch.extra is not None:

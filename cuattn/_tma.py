@@ -96,18 +96,17 @@ class FlashMaps:
 
     def __call__(self, ptrs: list) -> tuple:
         key = (ptrs[self.slots[0]], ptrs[self.slots[1]], ptrs[self.slots[2]])
-        maps = self._kept.get(key)
-        if maps is None:
-            maps = self._encode(key)
-        schedule = NO_SCHEDULE if self.counter_slot is None else np.uint64(ptrs[self.counter_slot])
-        return maps + (schedule,)
+        args = self._kept.get(key) or self._encode(key)
+        if self.counter_slot is None:
+            return args
+        return args[0], np.uint64(ptrs[self.counter_slot])   # (the counter: per call scratch)
 
     def _encode(self, key: tuple[int, int, int]) -> tuple:
         if len(self._kept) >= _KEEP:
             self._kept.clear()
         blob = b"".join(encode(self.data_type, p, t) for p, t in zip(key, self.tensors))
-        maps = self._kept[key] = (np.frombuffer(blob, MAPS_DTYPE)[0],)
-        return maps
+        args = self._kept[key] = (np.frombuffer(blob, MAPS_DTYPE)[0], NO_SCHEDULE)
+        return args
 
 
 # cuda.h's enumerators for the maps above (tests/test_flash_sm90.py checks them against

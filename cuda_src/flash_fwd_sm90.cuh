@@ -592,8 +592,9 @@ __device__ void flash_fwd_sm90_kernel(const FlashFwdParams& p, const FlashTmaMap
     return desc_advance(sw128_desc(sm.v_tile(s), BN * 128), kk * (16 * 128));
   };
 
+  // (the producer's choice: tma_produce's FETCH)
   auto next = [&](unsigned k, unsigned& m_block, unsigned& head, unsigned& z) {
-    return Tr::FETCH_VARLEN && sched.tile_counter != nullptr
+    return Tr::FETCH_VARLEN && p.cu_seqlens_q != nullptr
                ? fetched_item<Tr>(sm, k, m_block, head, z)
                : grid_item<Tr>(p, k, m_block, head, z);
   };

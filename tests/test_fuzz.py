@@ -58,8 +58,9 @@ FUNCS = ("flash_forward", "flash_varlen_forward", "merge_attn_states", "merge_st
 # of kernel-defining values), compiled in parallel before the cases run (~1-1.5 s each with
 # NVRTC). The bounds: flash 39 plain (2 dtypes x hd 64 / 128 x 3 masks x 2 splits + combines,
 # the run's odd head dim, and hd64 causal on both of its tile sets: tuning's short causal
-# rule) + 13 hooked (2 hook sets x 3 masks x 2 splits + a combine with sinks); paged_attention 6 + 3 + 4 x 3 (v1, v2, reduce of six configurations, one of them
-# every partition); paged_prefill 3 families x (2 masks x 2 splits x 4 tile classes + a
+# rule) + 13 hooked (2 hook sets x 3 masks x 2 splits + a combine with sinks);
+# paged_attention 6 + 3 + 4 x 3 (v1, v2, reduce of six configurations, one of them every
+# partition); paged_prefill 3 families x (2 masks x 2 splits x 4 tile classes + a
 # combine). Host seconds of one core for the data, the float64 references and the checks
 # (the bulk of a GPU run), from per-function cost models calibrated on the CPU machine
 # (measured before the hooks and paged_prefill: flash 5-6.5 s per test, paged 5-7 s, merges
