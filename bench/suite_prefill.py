@@ -7,7 +7,9 @@ blocks). Kernel-only times (CUDA-graph replays, harness.median_ms graph=...) for
   (batch = 16384 // CHUNK, so about 16k new tokens run), layouts vllm/16, nhd/16, nhd/64,
   beside flash_varlen_forward on the same K/V laid out contiguously (causal, bottom-right).
   FLOPs = 4 * H * D * (keys each new token sees), summed. "varlen/paged" > 0.95 is the
-  target: what paging costs.
+  target: what paging costs. On Hopper both run the Hopper kernel where it takes the call
+  (nhd; tuning.paged_prefill_path), and "mma.sync us" is the same paged call forced onto
+  the mma.sync kernel (tuning.override(flash_path="mma"); the kernel before it).
 - verify: 2, 4, 8 new tokens per sequence, batch 32 and 64, contexts 4k and 16k, vllm/16,
   beside paged_attention (one token, same cache); L2 flushed ("clean") before every replay,
   so K/V come from memory. "% read BW": K+V bytes / time over the read ceiling of this run.
@@ -36,6 +38,9 @@ VERIFY = ((32, 4096), (64, 4096), (32, 16384), (64, 16384))
 QUICK_PREFILL_CONTEXTS = (16384,)
 QUICK_VERIFY = ((32, 4096), (64, 16384))
 GRAPH_CALLS, GRAPH_REPS = 3, 10
+# The prefill rows are compute-bound and compared across kernels: each measurement first runs
+# untimed this long, so that each is timed at sustained clocks (bench/NOTES.md, session 7).
+SETTLE_S = 0.3
 
 
 class PagedCase:
@@ -88,9 +93,9 @@ class PagedCase:
             self.q_len, kv_layout=self.layout, out=self.out, **kw)
 
 
-def _graph_ms(fn, flush=False) -> float:
+def _graph_ms(fn, flush=False, settle_s=0.0) -> float:
     return median_ms(fn, graph=GRAPH_CALLS if not flush else 1, n_warmup=2, n_repeat=GRAPH_REPS,
-                     flush_l2="clean" if flush else False)
+                     flush_l2="clean" if flush else False, settle_s=settle_s)
 
 
 def prefill_rows(quick: bool) -> list[dict]:
@@ -103,13 +108,15 @@ def prefill_rows(quick: bool) -> list[dict]:
             if varlen_ms is None:
                 varlen_ms = _graph_ms(lambda: cuattn.flash_varlen_forward(
                     case.q, case.k, case.v, case.cu_q, case.cu_k, CHUNK, ctx, causal=True,
-                    out=case.out))
+                    out=case.out), settle_s=SETTLE_S)
                 del case.k, case.v
-            ms = _graph_ms(case.prefill())
+            ms = _graph_ms(case.prefill(), settle_s=SETTLE_S)
+            with tuning.override(flash_path="mma"):
+                mma_ms = _graph_ms(case.prefill(), settle_s=SETTLE_S)
             rows.append({"config": f"{batch} x {CHUNK} new / ctx {ctx}", "layout": f"{layout}/{bs}",
                          "paged us": ms * 1e3, "varlen us": varlen_ms * 1e3,
                          "paged TFLOP/s": case.flops / ms / 1e9,
-                         "varlen/paged": varlen_ms / ms})
+                         "varlen/paged": varlen_ms / ms, "mma.sync us": mma_ms * 1e3})
             del case
             cupy.get_default_memory_pool().free_all_blocks()
     return rows

@@ -1,9 +1,11 @@
 """TMA tensor maps of a flash call (cuda_src/flash_fwd_sm90.cuh's FlashTmaMaps).
 
 Q, K and V are each described as a 4-d tensor (head dim, row, head, batch) with the call's
-strides (varlen's packed (total, heads, head dim) arrays as batch 1), 128-byte swizzle and
-zero fill out of bounds: the Hopper kernel's producer copies a 64-column block of a tile by
-one ``cp.async.bulk.tensor``. A tensor map holds its tensor's address, so the maps are
+strides (varlen's packed (total, heads, head dim) arrays as batch 1; a paged NHD cache
+(num_blocks, block_size, heads, head dim) as (head dim, slot, head, cache block)), 128-byte
+swizzle and zero fill out of bounds: the Hopper kernel's producer copies a 64-column block
+of a tile (paged: of the tile's keys in one cache block, paged_box_rows) by one
+``cp.async.bulk.tensor``. A tensor map holds its tensor's address, so the maps are
 encoded on the host (the driver's ``cuTensorMapEncodeTiled``, which touches no device) for
 the pointers of each call, and kept per plan for the pointers seen last: a call on the
 buffers of an earlier one encodes nothing.
@@ -34,6 +36,12 @@ def no_maps(ptrs: list) -> tuple:
 _COLS = 64                           # a 128-byte swizzle row: 64 16-bit columns per box
 _MAX_STRIDE = 1 << 40
 _KEEP = 16                           # pointer triples a plan keeps the maps of
+
+
+def paged_box_rows(block_n: int, block_size: int) -> int:
+    """The keys of one box of a paged map: the block size, at most the largest power of two
+    dividing block_n (flash_fwd_sm90.cuh's Traits::box_rows)."""
+    return min(block_n & -block_n, block_size)
 
 
 def fits(x) -> bool:
@@ -84,12 +92,14 @@ class _Tensor:
 class FlashMaps:
     """A plan's launch arguments for the TMA form: ``maps(ptrs)`` -> (FlashTmaMaps bytes,
     FlashSm90Schedule) for the pointers in slots ``slots`` (q, k, v) of the call's pointer
-    list, and the tile counter's in slot ``counter_slot`` (varlen calls; None: no counter)."""
+    list, and the tile counter's in slot ``counter_slot`` (varlen calls; None: no counter).
+    paged: k and v are paged NHD caches."""
 
     def __init__(self, dtype_short: str, q, k, v, slots: tuple[int, int, int], block_n: int,
-                 counter_slot: int | None = None):
+                 counter_slot: int | None = None, paged: bool = False):
         self.data_type = dtype_short
-        self.tensors = (_Tensor.of(q, 64), _Tensor.of(k, block_n), _Tensor.of(v, block_n))
+        kv_rows = paged_box_rows(block_n, k.shape[1]) if paged else block_n
+        self.tensors = (_Tensor.of(q, 64), _Tensor.of(k, kv_rows), _Tensor.of(v, kv_rows))
         self.slots = slots
         self.counter_slot = counter_slot
         self._kept: dict[tuple, tuple] = {}

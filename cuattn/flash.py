@@ -256,7 +256,7 @@ class Call:
     # block's rows
     variant_for: Callable[[bool, int], object] | None = None
     pack: int = 1
-    # flash_forward / flash_varlen_forward: (q, k, v), which the Hopper kernel may load by TMA
+    # (q, k, v) or (q, k_cache, v_cache), which the Hopper kernel may load by TMA
     qkv: tuple | None = None
 
 
@@ -344,7 +344,8 @@ def _plan(c: Call) -> Plan:
         qkv_slots = (slot_of["q"], slot_of["k"], slot_of["v"])
         counter_slot = slots.scratch(len(scratch) - 1) if fetched else None
         extra = _tma.FlashMaps(c.dtype.short, *c.qkv, qkv_slots, variant.block_n,
-                               counter_slot) if variant.tma else _tma.no_maps
+                               counter_slot, paged=bool(variant.kv)) if variant.tma \
+            else _tma.no_maps
     fields = dict(k_stride_block=0, v_stride_block=0, k_stride_chunk=8, v_stride_dim=0,
                   bt_stride_seq=0, block_shift=0, max_blocks_per_seq=0, k_scale=1.0,
                   v_scale=1.0)

@@ -13,8 +13,8 @@ import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
-from .variants import (FEAT_ALIBI, FEAT_PACK_GQA, FEAT_SOFTCAP, KV_DENSE, MASK_CAUSAL, MASK_NONE,
-                       MASK_WINDOW, SM90_ARCH,
+from .variants import (FEAT_ALIBI, FEAT_PACK_GQA, FEAT_SOFTCAP, KV_DENSE, KV_PAGED_NHD,
+                       MASK_CAUSAL, MASK_NONE, MASK_WINDOW, SM90_ARCH,
                        FlashCombineVariant, FlashFwdSm90Variant, FlashFwdVariant, MergeVariant, PagedMmaVariant,
                        PagedReduceVariant, PagedSimtVariant, ReshapeCacheVariant)
 
@@ -275,11 +275,12 @@ def flash_path(arch: str, head_dim: int) -> str:
 
 def flash_sm90_variant(dtype: str, head_dim: int, *, mask: int, split: bool,
                        features: int = 0, tma: bool = False,
-                       seqlen_q: int | None = None) -> FlashFwdSm90Variant:
+                       seqlen_q: int | None = None, paged: bool = False) -> FlashFwdSm90Variant:
     """The Hopper forward kernel for a real head dim, a mask kind, split-KV or not, the
     call's FEAT_* bits, whether its producer loads by TMA (a call whose Q / K / V tensor
     maps describe, cuattn._tma.encodable) or by cp.async, and the call's (longest) query
-    length (None: long)."""
+    length (None: long). paged: K / V from a paged NHD cache (paged_prefill; by TMA), with
+    the tiles of a dense call."""
     hd = sm90_head_dim(head_dim)
     short_causal = mask == MASK_CAUSAL and seqlen_q is not None and \
         seqlen_q <= FLASH_SM90_SHORT_CAUSAL.get(hd, 0)
@@ -288,7 +289,7 @@ def flash_sm90_variant(dtype: str, head_dim: int, *, mask: int, split: bool,
     t = _overrides.get("flash_sm90_tiles") or \
         (FLASH_SM90_TILES_HEAVY if heavy else FLASH_SM90_TILES).get(hd, FLASH_SM90_TILES[hd])
     return FlashFwdSm90Variant(dtype, hd, t.block_m, t.block_n, t.stages, mask, split, features,
-                               tma)
+                               tma, KV_PAGED_NHD if paged else KV_DENSE)
 
 
 def flash_kernel_variant(dtype: str, head_dim: int, *, mask: int, split: bool, arch: str,
@@ -401,6 +402,22 @@ def _multi_token_columns(head_size: int) -> int:
 
 def _multi_tokens(max_seqlen_q: int) -> int:
     return 1 << max(0, max_seqlen_q - 1).bit_length()
+
+
+# Long chunks run on the Hopper kernel (its TMA producer takes a box per cache block: NHD
+# caches of blocks of at least 8 tokens, 16-bit; a box starts on the swizzle's 1024-byte
+# period) where flash_path picks it for the head size; vLLM's layout, fp8 caches and
+# smaller blocks stay on the mma.sync kernel.
+PREFILL_SM90_MIN_BLOCK = 8
+
+
+def paged_prefill_path(arch: str, head_size: int, kv_layout: str, block_size: int,
+                       cache: str) -> str:
+    """"wgmma" or "mma": the flash kernel of paged_prefill's flash form."""
+    if flash_path(arch, head_size) == "wgmma" and kv_layout == "nhd" and cache != "e4m3" \
+            and block_size >= PREFILL_SM90_MIN_BLOCK:
+        return "wgmma"
+    return "mma"
 
 
 def paged_prefill_form(cache: str, head_size: int, max_seqlen_q: int, total_q: int) -> str:

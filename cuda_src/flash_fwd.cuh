@@ -152,6 +152,17 @@ __device__ __forceinline__ SeqRange seq_range(const void* cu_seqlens, int b, int
   return {start, cu[b + 1] - start};
 }
 
+// The keys of batch entry b: its slice of the packed K / V (cu_seqlens_k), the fixed
+// length, or for a paged cache (no offset) its seqused_k, clamped to its table's capacity.
+template <bool PAGED>
+__device__ __forceinline__ SeqRange key_range(const FlashFwdParams& p, int b) {
+  if constexpr (PAGED) {
+    const int used = static_cast<const int*>(p.seqused_k)[b];
+    return {0, min(max(used, 0), p.max_blocks_per_seq << p.block_shift)};
+  }
+  return seq_range(p.cu_seqlens_k, b, p.seqlen_k);
+}
+
 // The query rows of a block: row R of the block's sequence of rows is token R of head
 // head0, or with PACK_GQA token R / group of head head0 + R % group (the group query heads
 // of one KV head, interleaved per token so that a tile's rows span few tokens).
@@ -770,13 +781,7 @@ __device__ void flash_fwd_kernel(const FlashFwdParams& p) {
       Tr::PACK_GQA ? kvh * p.head_group : static_cast<int>(blockIdx.y),
       Tr::PACK_GQA ? p.head_group : 1};
   const SeqRange qr = seq_range(p.cu_seqlens_q, b, p.seqlen_q);
-  SeqRange kr;
-  if constexpr (Tr::PAGED) {
-    const int used = static_cast<const int*>(p.seqused_k)[b];
-    kr = {0, min(max(used, 0), p.max_blocks_per_seq << p.block_shift)};
-  } else {
-    kr = seq_range(p.cu_seqlens_k, b, p.seqlen_k);
-  }
+  const SeqRange kr = key_range<Tr::PAGED>(p, b);
   const int sq = qr.len, sk = kr.len;
   const int num_rows = sq * qrows.group;
   const int m0 = m_block * Tr::BLOCK_M;

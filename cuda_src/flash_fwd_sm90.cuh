@@ -22,10 +22,11 @@ namespace cuattn {
 
 // Every knob of one sm_90a forward kernel (cuattn.variants.FlashFwdSm90Variant, chosen by
 // cuattn/tuning.py) and the constants derived from them. MASK, SPLIT and FEATURES mean what
-// they mean in FlashFwdTraits (kPackGqa excepted: dense K/V, one head per block); TMA: the
-// producer loads by tensor map (FlashTmaMaps), else by cp.async.
+// they mean in FlashFwdTraits (kPackGqa excepted: one query head per block); TMA: the
+// producer loads by tensor map (FlashTmaMaps), else by cp.async; KV: dense K / V, or a paged
+// NHD cache (kKvPagedNhd, paged_prefill: by TMA, a box per cache block).
 template <typename T_, int HEAD_DIM_, int BLOCK_M_, int BLOCK_N_, int STAGES_, bool TMA_,
-          int MASK_, bool SPLIT_, int FEATURES_>
+          int MASK_, bool SPLIT_, int FEATURES_, int KV_>
 struct FlashFwdSm90Traits : FlashFeatures<FEATURES_> {
   using T = T_;
   using Mask = BandMask<MASK_>;
@@ -35,6 +36,7 @@ struct FlashFwdSm90Traits : FlashFeatures<FEATURES_> {
   static constexpr int STAGES = STAGES_;
   static constexpr bool TMA = TMA_;
   static constexpr bool SPLIT = SPLIT_;
+  static constexpr bool PAGED = KV_ == kKvPagedNhd;
 
   // Warpgroup 0 produces; warpgroups 1 .. NUM_WG compute, 64 query rows each.
   static constexpr int NUM_WG = BLOCK_M / 64;
@@ -116,7 +118,16 @@ struct FlashFwdSm90Traits : FlashFeatures<FEATURES_> {
                     CONSUMER_THREADS * (CONSUMER_REGS - LAUNCH_REGS),
                 "register split: setmaxnreg.inc would wait for registers no one frees");
   static_assert(STAGES >= 2, "at least double buffering");
-  static_assert((FEATURES_ & kPackGqa) == 0, "dense K/V: one head per block");
+  static_assert((FEATURES_ & kPackGqa) == 0, "one query head per block");
+  static_assert(KV_ == kKvDense || (KV_ == kKvPagedNhd && TMA_), "paged: NHD caches by TMA");
+  // Paged: the rows of one TMA box, which stays inside one cache block: the block size, at
+  // most the largest power of two dividing BLOCK_N (tiles start at multiples of BLOCK_N);
+  // at least 8 (a box starts on the 1024-byte period of the swizzle). cuattn/_tma.py
+  // encodes the maps' boxes by the same rule (paged_box_rows).
+  static constexpr int BN_POW2 = BLOCK_N_ & -BLOCK_N_;
+  static __device__ __forceinline__ int box_rows(int block_shift) {
+    return min(BN_POW2, 1 << block_shift);
+  }
 };
 
 // The producer's copies of one ROWS x HEAD_DIM tile (rows row0 .., `limit` valid: rows at
@@ -206,6 +217,36 @@ struct Sm90Block {
   int first_step, q_phase;
 };
 
+// A paged V tile (NHD cache) crossing its sequence's end, as copy_tile lays a BLOCK_N-row
+// tile out: chunk c to thread c % 128, each key at its block-table entry, keys past the
+// sequence and columns past head_dim zero-filled (a rolled loop: the producer keeps few
+// registers, and a sequence has one such tile per row tile at most).
+template <typename Tr>
+__device__ __forceinline__ void copy_paged_tile(u32 dst, const FlashFwdParams& p,
+                                                const Sm90Block& blk, int key0, int ptid) {
+  using T = typename Tr::T;
+  constexpr int BN = Tr::BLOCK_N, D_CHUNKS = Tr::D_CHUNKS;
+  const T* v_head = static_cast<const T*>(p.v) + blk.kvh * p.v_stride_head;
+  const int* table = static_cast<const int*>(p.block_tables) + blk.b * p.bt_stride_seq;
+#pragma unroll 1
+  for (int c = ptid; c < BN * D_CHUNKS; c += Tr::PRODUCER_THREADS) {
+    const int r = c / D_CHUNKS, ch = c % D_CHUNKS, key = key0 + r;
+    const bool ok = key < blk.kr.len && ch < p.head_dim / 8;
+    const T* src = v_head;
+    if (ok) {
+      src += __ldg(table + (key >> p.block_shift)) * p.v_stride_block +
+             (key & ((1 << p.block_shift) - 1)) * p.v_stride_row + ch * 8;
+    }
+    cp_async_16(dst + sw128_offset<BN>(r, ch), src, ok ? 16 : 0);
+  }
+}
+
+// Whether the call packs its sequences' query rows (cu_seqlens_q): every paged call does.
+template <typename Tr>
+__device__ __forceinline__ bool varlen_call(const FlashFwdParams& p) {
+  return Tr::PAGED || p.cu_seqlens_q != nullptr;
+}
+
 // The schedule, which both roles walk: `next(k, m_block, head, z)` names the block's k-th
 // item (kItem), one to pass over (kSkip) or the end (kEnd), and for_each_tile builds each
 // row tile's Sm90Block (its place in the ring counted here) for `body`. ONE: the block's
@@ -222,7 +263,7 @@ __device__ __forceinline__ void for_each_tile(const FlashFwdParams& p, Next&& ne
     blk.head = head;
     blk.kvh = head / unsigned(p.head_group);
     blk.qr = seq_range(p.cu_seqlens_q, blk.b, p.seqlen_q);
-    blk.kr = seq_range(p.cu_seqlens_k, blk.b, p.seqlen_k);
+    blk.kr = key_range<Tr::PAGED>(p, blk.b);
     blk.m0 = m_block * Tr::BLOCK_M;
     if (blk.m0 >= blk.qr.len) return;   // a varlen sequence shorter than the longest
     const int m_last = min(blk.m0 + Tr::BLOCK_M, blk.qr.len) - 1;
@@ -268,7 +309,7 @@ __device__ __forceinline__ Sm90Next grid_item(const FlashFwdParams& p, unsigned 
   // divisions by run-time values are shorter). (The constants are derived per visit, from
   // the params: the consumers keep no registers for them across a tile.)
   const unsigned num_m = p.m_blocks;
-  if (p.cu_seqlens_q != nullptr) {
+  if (varlen_call<Tr>(p)) {
     m_block = num_m - 1 - blockIdx.x;
     head = blockIdx.y;
     z = blockIdx.z;
@@ -418,14 +459,35 @@ __device__ __forceinline__ void tma_produce(const FlashFwdParams& p, const Flash
       }
     };
     // Keys key0 .. of K or V into `tile` (thread 0), once the consumers freed it (`empty`).
+    // Paged (maps of (head dim, slot, KV head, cache block)): a box of box_rows keys per
+    // 64-column block at each block-table entry the tile's keys inside the sequence reach;
+    // the tile's rows past them keep what they held (K: masked by select; V: the edge copy).
     auto tma_tile = [&](u32 tile, const TmaDescriptor& map, u32 full, u32 empty, int phase,
                         int key0) {
       mbar_wait(empty, phase ^ 1);
-      mbar_arrive_expect_tx(full, Tr::KV_TILE_BYTES);
+      if constexpr (Tr::PAGED) {
+        const int box = Tr::box_rows(p.block_shift);
+        const int boxes = (min(BN, blk.kr.len - key0) + box - 1) / box;
+        mbar_arrive_expect_tx(full, boxes * box * (Tr::HEAD_DIM * 2));
+        const int* table = static_cast<const int*>(p.block_tables) + blk.b * p.bt_stride_seq;
+#pragma unroll 1
+        for (int i = 0; i < boxes; ++i) {
+          const int key = key0 + i * box;
+          const int page = __ldg(table + (key >> p.block_shift));
+          const int slot = key & ((1 << p.block_shift) - 1);
 #pragma unroll
-      for (int cb = 0; cb < COL_BLOCKS; ++cb) {
-        tma_load_4d(tile + cb * (BN * 128), map, full, cb * 64, blk.kr.start + key0, blk.kvh,
-                    batch);
+          for (int cb = 0; cb < COL_BLOCKS; ++cb) {
+            tma_load_4d(tile + cb * (BN * 128) + i * (box * 128), map, full, cb * 64, slot,
+                        blk.kvh, page);
+          }
+        }
+      } else {
+        mbar_arrive_expect_tx(full, Tr::KV_TILE_BYTES);
+#pragma unroll
+        for (int cb = 0; cb < COL_BLOCKS; ++cb) {
+          tma_load_4d(tile + cb * (BN * 128), map, full, cb * 64, blk.kr.start + key0, blk.kvh,
+                      batch);
+        }
       }
     };
     const KeyTiles& tiles = blk.tiles;
@@ -450,10 +512,14 @@ __device__ __forceinline__ void tma_produce(const FlashFwdParams& p, const Flash
       if (VARLEN && key0 + BN > blk.kr.len) {
         if (ptid == 0) mbar_wait(sm.v_empty(s), slot.phase ^ 1);
         named_barrier_sync(Tr::PRODUCER_BARRIER, Tr::PRODUCER_THREADS);   // the stage is free
-        const T* v_ptr = static_cast<const T*>(p.v) + (long long)blk.kr.start * p.v_stride_row +
-                         blk.kvh * p.v_stride_head;
-        copy_tile<Tr, BN, BN>(sm.v_tile(s), v_ptr, p.v_stride_row, key0, blk.kr.len,
-                              p.head_dim / 8, ptid);
+        if constexpr (Tr::PAGED) {
+          copy_paged_tile<Tr>(sm.v_tile(s), p, blk, key0, ptid);
+        } else {
+          const T* v_ptr = static_cast<const T*>(p.v) +
+                           (long long)blk.kr.start * p.v_stride_row + blk.kvh * p.v_stride_head;
+          copy_tile<Tr, BN, BN>(sm.v_tile(s), v_ptr, p.v_stride_row, key0, blk.kr.len,
+                                p.head_dim / 8, ptid);
+        }
         cp_async_commit();
         cp_async_wait<0>();
         fence_proxy_async();   // generic-proxy writes, read next by wgmma (the async proxy)
@@ -551,7 +617,7 @@ __device__ void flash_fwd_sm90_kernel(const FlashFwdParams& p, const FlashTmaMap
         tma_prefetch(maps.k);
         tma_prefetch(maps.v);
       }
-      if (p.cu_seqlens_q != nullptr) {   // (varlen: cu_seqlens_k too; a fetched schedule)
+      if (varlen_call<Tr>(p)) {   // (varlen: a fetched schedule, where FETCH_VARLEN)
         tma_produce<Tr, true>(p, maps, sched, sm, tid);
       } else if (tid == 0) {
         tma_produce<Tr, false>(p, maps, sched, sm, tid);
@@ -594,7 +660,7 @@ __device__ void flash_fwd_sm90_kernel(const FlashFwdParams& p, const FlashTmaMap
 
   // (the producer's choice: tma_produce's FETCH)
   auto next = [&](unsigned k, unsigned& m_block, unsigned& head, unsigned& z) {
-    return Tr::FETCH_VARLEN && p.cu_seqlens_q != nullptr
+    return Tr::FETCH_VARLEN && varlen_call<Tr>(p)
                ? fetched_item<Tr>(sm, k, m_block, head, z)
                : grid_item<Tr>(p, k, m_block, head, z);
   };

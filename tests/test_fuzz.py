@@ -1251,8 +1251,13 @@ def kernels_prefill(p, arch):
         return []
     mask, features = _mask_of(p), _features(p)
     kv = KV_PAGED_NHD if p["layout"] == "nhd" else KV_PAGED_VLLM
+    hopper = tuning.paged_prefill_path(arch, p["hs"], p["layout"], p["bs"], p["dtype"]) == "wgmma"
 
     def fwd(split):
+        if hopper:     # (the caches' strides a map takes)
+            return tuning.flash_sm90_variant(p["dtype"], p["hs"], mask=mask, split=split,
+                                             features=features, tma=True, seqlen_q=max_sq,
+                                             paged=True)
         return tuning.paged_prefill_variant(p["dtype"], p["hs"], mask=mask, split=split,
                                             arch=arch, kv=kv, features=features,
                                             rows=max_sq * p["gqa"])

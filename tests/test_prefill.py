@@ -2,7 +2,8 @@
 attention functions.
 
 CPU: every reachable paged_prefill form and every hooked flash form compiles without spills;
-the tile rule; the NHD shapes. GPU (marker ``gpu``): a float64 NumPy reference
+the tile rule; the NHD shapes. GPU (marker ``gpu``; the flash form's NHD calls on both flash
+kernels, tests/paths.py): a float64 NumPy reference
 (tests/reference.py attention_reference) over K/V gathered token by token through the block
 table by plain indexing of the documented layouts, independent of the library's layout
 code; every slot a sequence must not read holds NaN.
@@ -16,8 +17,9 @@ import numpy as np
 import pytest
 
 import cuattn
-from cuattn import tuning
-from cuattn.variants import FEAT_ALIBI, FEAT_SINKS, FEAT_SOFTCAP, KV_PAGED_NHD, KV_PAGED_VLLM
+from cuattn import _tma, tuning
+from cuattn.variants import (FEAT_ALIBI, FEAT_SINKS, FEAT_SOFTCAP, KV_PAGED_NHD, KV_PAGED_VLLM,
+                             MASK_CAUSAL, MASK_NONE, MASK_WINDOW)
 from tests.compiled import compile_reports, unclean
 from tests.paths import FLASH_PATHS, forced_flash_path
 from tests.reference import attention_reference, check_attention, merge_reference, tolerance
@@ -97,6 +99,40 @@ def _few_token_forms():
                                 "bf16", hs, 16, group, ps, hooks, softcap=hooks, sinks=hooks,
                                 nhd=nhd, tokens=tokens))
     return list(dict.fromkeys(out))
+
+
+@pytest.mark.slow
+def test_hopper_paged_forms_compile_for_sm90a_without_spills():
+    """The Hopper kernel's paged (NHD, TMA) forms long chunks reach: every mask, split or
+    not, plain and every hook, at the head dims of its tile table."""
+    forms = [tuning.flash_sm90_variant("bf16", hd, mask=mask, split=split, features=f,
+                                       tma=True, seqlen_q=2048, paged=True)
+             for hd in sorted(tuning.FLASH_SM90_TILES)
+             for mask, split in ((MASK_NONE, False), (MASK_CAUSAL, False), (MASK_WINDOW, False),
+                                 (MASK_CAUSAL, True), (MASK_WINDOW, True))
+             for f in (0, ALL_HOOKS)]
+    forms += [tuning.flash_sm90_variant("bf16", 64, mask=MASK_CAUSAL, split=False, tma=True,
+                                        seqlen_q=64, paged=True)]     # short causal tiles
+    forms = list(dict.fromkeys(forms))
+    assert all(v.kv == KV_PAGED_NHD and "_nhd" in v.name for v in forms)
+    assert unclean(compile_reports(forms, "sm_90")) == []
+
+
+def test_hopper_paged_prefill_rule():
+    """Long chunks over NHD caches of 16-bit blocks of >= 8 tokens take the Hopper kernel on
+    sm_90 (its boxes stay inside one cache block and start on the swizzle period); vLLM's
+    layout, fp8, smaller blocks and other GPUs keep the mma.sync kernel."""
+    assert tuning.paged_prefill_path("sm_90", 128, "nhd", 16, "bf16") == "wgmma"
+    assert tuning.paged_prefill_path("sm_90", 80, "nhd", 8, "f16") == "wgmma"
+    assert tuning.paged_prefill_path("sm_90", 128, "nhd", 4, "bf16") == "mma"
+    assert tuning.paged_prefill_path("sm_90", 128, "vllm", 16, "bf16") == "mma"
+    assert tuning.paged_prefill_path("sm_90", 128, "nhd", 16, "e4m3") == "mma"
+    assert tuning.paged_prefill_path("sm_80", 128, "nhd", 16, "bf16") == "mma"
+    with tuning.override(flash_path="mma"):
+        assert tuning.paged_prefill_path("sm_90", 128, "nhd", 16, "bf16") == "mma"
+    # a box's keys: the block size, at most the power of two dividing BLOCK_N
+    assert [_tma.paged_box_rows(bn, bs) for bn, bs in
+            ((128, 16), (128, 256), (80, 64), (48, 8), (64, 64))] == [16, 128, 16, 8, 64]
 
 
 def test_few_token_forms_compile_for_sm90_without_spills():
@@ -295,13 +331,16 @@ def test_head_sizes_groups_dtypes(rng, head_size, group, dtype, q_lens, layout):
 @pytest.mark.parametrize("causal,window", [(True, (-1, -1)), (False, (-1, -1)),
                                            (True, (100, 0)), (False, (64, 16))])
 @pytest.mark.parametrize("num_splits", [0, 3])
-def test_prefill_hooks_windows_and_splits(rng, which, causal, window, num_splits):
+@pytest.mark.parametrize("path", FLASH_PATHS)
+def test_prefill_hooks_windows_and_splits(rng, which, causal, window, num_splits, path):
     b = make_batch(rng, contexts=[900, 20, 400], q_lens=[2, 20, 130], nkv=2, group=4,
                    head_size=128, block_size=16, dtype="bf16", layout="nhd")
     kw = hook_values(rng, 8, which)
     scale = 0.3
-    out, lse = run_prefill(b, kv_layout="nhd", causal=causal, window_size=window,
-                           softmax_scale=scale, num_splits=num_splits, **kw)
+    with forced_flash_path(path):
+        out, lse = run_prefill(b, kv_layout="nhd", causal=causal, window_size=window,
+                               softmax_scale=scale, num_splits=num_splits, **kw)
+        assert runs_on_hopper() == (path == "wgmma")
     ref = batch_reference(b, scale, causal=causal, window=window, **_ref_kw(kw))
     check(out, lse, *ref, "bf16")
 
@@ -415,6 +454,42 @@ def test_captured_in_a_cuda_graph_replays_with_new_lengths(rng):
     graph.launch(stream)
     stream.synchronize()
     check(out, None, *batch_reference(b, 1 / math.sqrt(128), causal=True), "bf16")
+
+
+def runs_on_hopper() -> bool:
+    """Whether the last paged_prefill plan made runs the Hopper kernel (its TMA maps)."""
+    from cuattn.paged import prefill
+    return isinstance(list(prefill._plans.values())[-1].launches[0].extra, _tma.FlashMaps)
+
+
+# Sequences for the Hopper kernel's paged producer: contexts that end inside a box, inside
+# the first box, on a tile's end; a sequence with no new token, one with a single key;
+# queries from one token to a few row tiles.
+HOPPER_CTX = [700, 5, 128, 999, 1, 300]
+HOPPER_Q = [700, 5, 0, 77, 1, 129]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_size", [8, 16, 64, 256])
+@pytest.mark.parametrize("head_size,group,dtype", [(64, 4, "f16"), (80, 2, "bf16"),
+                                                   (128, 4, "bf16"), (192, 1, "bf16"),
+                                                   (256, 2, "f16")])
+@pytest.mark.parametrize("path", FLASH_PATHS)
+def test_nhd_chunks_on_both_flash_kernels(rng, block_size, head_size, group, dtype, path):
+    """Chunked prefill over NHD caches on each flash kernel: on the Hopper kernel its TMA
+    producer's box per cache block (8 to 256 tokens, BLOCK_N 48 to 128), V tiles crossing a
+    sequence's end copied with zero fill (NaN in every slot past it), causal, full and a
+    window, split and not."""
+    b = make_batch(rng, contexts=HOPPER_CTX, q_lens=HOPPER_Q, nkv=2, group=group,
+                   head_size=head_size, block_size=block_size, dtype=dtype, layout="nhd")
+    scale = 1 / math.sqrt(head_size)
+    with forced_flash_path(path):
+        for causal, window, num_splits in ((True, (-1, -1), 0), (False, (-1, -1), 1),
+                                           (True, (200, 0), 3)):
+            out, lse = run_prefill(b, kv_layout="nhd", causal=causal, window_size=window,
+                                   num_splits=num_splits)
+            assert runs_on_hopper() == (path == "wgmma")
+            check(out, lse, *batch_reference(b, scale, causal=causal, window=window), dtype)
 
 
 @pytest.mark.gpu

@@ -6,8 +6,11 @@ for all the query heads of its KV head and all the new tokens of its sequence:
 - a few new tokens per sequence (speculative verification): multi-token decode, the
   tensor-core decode kernel (cuda_src/paged_attention_mma.cuh) with the tokens x heads of
   a sequence as the MMA's columns, through paged_attention's v1 / v2 launches;
-- otherwise the flash forward (cuda_src/flash_fwd.cuh) with its paged K/V source and the
-  query heads of one KV head packed into a block's rows (cuattn.tuning.paged_prefill_tiles
+- otherwise a flash forward: on Hopper, for NHD caches of 16-bit blocks of >= 8 tokens
+  (tuning.paged_prefill_path), the Hopper kernel (cuda_src/flash_fwd_sm90.cuh), whose TMA
+  producer takes K / V a cache block at a time (a query head per block, as for dense
+  calls); else the mma.sync kernel (cuda_src/flash_fwd.cuh) with its paged K/V source and
+  the query heads of one KV head packed into a block's rows (cuattn.tuning.paged_prefill_tiles
   picks the tiles).
 Calls go through cuattn._launch: the checks below run once per call signature; values
 inside the arrays (seq_lens, block_tables, cu_seqlens_q) are never read on the host.
@@ -18,7 +21,7 @@ import cupy
 import numpy as np
 
 from .. import _arrays as A
-from .. import tuning
+from .. import _tma, tuning
 from .._dtypes import activation_dtype
 from .._hooks import check_hooks, hook_fields
 from .._launch import NULL, Plan, execute, plan_cache, plan_for, returns
@@ -137,8 +140,15 @@ def _plan(arrays, max_seqlen_q, causal, softmax_scale, window_size, softcap, k_s
         v_scale=v_scale, **cache)
     group = nheads // info.num_kv_heads
     arch = device_info(device_id).arch
+    hopper = tuning.paged_prefill_path(arch, head_size, kv_layout, info.block_size,
+                                       info.cache) == "wgmma" and \
+        _tma.encodable(dtype.short, (q, k_cache, v_cache))
 
     def variant_for(split: bool, mask: int):
+        if hopper:
+            return tuning.flash_sm90_variant(dtype.short, head_size, mask=mask, split=split,
+                                             features=features, tma=True,
+                                             seqlen_q=max_seqlen_q, paged=True)
         return tuning.paged_prefill_variant(dtype.short, head_size, mask=mask, split=split,
                                             arch=arch, kv=kv, features=features,
                                             rows=max_seqlen_q * group, fp8=fp8)
@@ -150,7 +160,8 @@ def _plan(arrays, max_seqlen_q, causal, softmax_scale, window_size, softcap, k_s
         causal=bool(causal), softmax_scale=softmax_scale, left=left, right=right,
         num_splits=num_splits, features=features, softcap=softcap, batch=num_seqs,
         max_sq=max_seqlen_q, max_sk=max_context, total_q=total_q, fields=fields,
-        variant_for=variant_for, pack=group))
+        variant_for=variant_for, pack=1 if hopper else group,
+        qkv=(q, k_cache, v_cache) if hopper else None))
 
 
 def _decode_plan(q, info, block_tables, num_seqs, max_seqlen_q, dtype, features, softcap,
