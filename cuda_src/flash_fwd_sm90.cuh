@@ -421,17 +421,17 @@ struct RingSlot {
       : stage(step % Tr::STAGES), phase((step / Tr::STAGES) & 1) {}
 };
 
-// The TMA producer (the producer warpgroup, thread ptid; thread 0 issues every copy), per
-// tile of the schedule: K_0, then Q once the consumers freed the last tile's (K_0's stage
-// frees before Q does), then V_0, K_1, V_1, ..., each K / V tile into its ring stage once
-// the consumers freed it. Each box is one
-// 64-column block of a tile (the layout of copy_tile), each barrier expects its tile's bytes
-// (out-of-bounds zeros count too). Dense: the maps' bounds zero-fill rows past the sequence.
-// Varlen (the maps span every packed sequence, batch 1): rows past a sequence are the next
-// one's, harmless in Q (rows never stored) and K (keys masked by select) but not in V, where
-// P = 0 times a non-finite value would still poison the row; so a varlen V tile crossing the
-// sequence's end is copied by the whole warpgroup with cp.async, zero-filled, and thread 0
-// arrives once every thread's copies landed.
+// The TMA producer (the producer warpgroup, thread ptid; thread 0 issues the Q and K copies,
+// thread V_ISSUER the V copies), per tile of the schedule: K_0, then Q once the consumers
+// freed the last tile's (K_0's stage frees before Q does), then V_0, K_1, V_1, ..., each K /
+// V tile into its ring stage once the consumers freed it. Each box is one 64-column block of
+// a tile (the layout of copy_tile; paged: of one cache block's keys), each barrier expects
+// its tile's bytes (out-of-bounds zeros count too). Dense: the maps' bounds zero-fill rows
+// past the sequence. Varlen (the maps span every packed sequence, batch 1): rows past a
+// sequence are the next one's, harmless in Q (rows never stored) and K (keys masked by
+// select) but not in V, where P = 0 times a non-finite value would still poison the row; so
+// a varlen (or paged) V tile crossing the sequence's end is copied by the whole warpgroup
+// with cp.async, zero-filled, and the V issuer arrives once every thread's copies landed.
 template <typename Tr, bool VARLEN>
 __device__ __forceinline__ void tma_produce(const FlashFwdParams& p, const FlashTmaMaps& maps,
                                             const FlashSm90Schedule& sched, Sm90Smem<Tr> sm,
@@ -492,6 +492,11 @@ __device__ __forceinline__ void tma_produce(const FlashFwdParams& p, const Flash
     };
     const KeyTiles& tiles = blk.tiles;
     if (tiles.n_steps == 0 && ptid == 0) load_q();
+    // The V issuer: thread 0, or for a paged call warp 1's lane 0, so that the two rings'
+    // boxes (one per cache block and 64 columns) go out in parallel; one thread issuing both
+    // was the wall for small cache blocks (bench/NOTES.md, "paged_prefill on the Hopper
+    // kernel": block 16, 0.81x the time with two issuers).
+    constexpr int V_ISSUER = Tr::PAGED ? 32 : 0;
 #pragma unroll 1
     for (int n = 0; n < tiles.n_steps; ++n) {
       const RingSlot<Tr> slot(blk.first_step + n);
@@ -502,15 +507,15 @@ __device__ __forceinline__ void tma_produce(const FlashFwdParams& p, const Flash
         if (n == 0) load_q();
       }
       // Varlen: a V tile crossing its sequence's end is copied by the whole warpgroup
-      // (cp.async, zero-filled past the end). Thread 0 alone follows the ring's phases, every
-      // step in order; the others meet it at the producer barrier once the stage is free. An
-      // mbarrier parity names a phase mod 2, so a thread that waits on the ring itself can
-      // fall two phases behind thread 0 (which runs ahead on TMA steps): it then takes an
-      // old phase for its own and overwrites V in use (waiting only at edge tiles: session
-      // 6), or waits for a phase only this warpgroup's next copy completes, a deadlock
-      // (waiting every step: seen under racecheck, bench/NOTES.md "Session 7").
+      // (cp.async, zero-filled past the end). The V issuer alone follows the V ring's phases,
+      // every step in order; the others meet it at the producer barrier once the stage is
+      // free. An mbarrier parity names a phase mod 2, so a thread that waits on the ring
+      // itself can fall two phases behind the issuer (which runs ahead on TMA steps): it
+      // then takes an old phase for its own and overwrites V in use (waiting only at edge
+      // tiles: session 6), or waits for a phase only this warpgroup's next copy completes,
+      // a deadlock (waiting every step: seen under racecheck, bench/NOTES.md "Session 7").
       if (VARLEN && key0 + BN > blk.kr.len) {
-        if (ptid == 0) mbar_wait(sm.v_empty(s), slot.phase ^ 1);
+        if (ptid == V_ISSUER) mbar_wait(sm.v_empty(s), slot.phase ^ 1);
         named_barrier_sync(Tr::PRODUCER_BARRIER, Tr::PRODUCER_THREADS);   // the stage is free
         if constexpr (Tr::PAGED) {
           copy_paged_tile<Tr>(sm.v_tile(s), p, blk, key0, ptid);
@@ -524,8 +529,8 @@ __device__ __forceinline__ void tma_produce(const FlashFwdParams& p, const Flash
         cp_async_wait<0>();
         fence_proxy_async();   // generic-proxy writes, read next by wgmma (the async proxy)
         named_barrier_sync(Tr::PRODUCER_BARRIER, Tr::PRODUCER_THREADS);
-        if (ptid == 0) mbar_arrive(sm.v_full(s));
-      } else if (ptid == 0) {
+        if (ptid == V_ISSUER) mbar_arrive(sm.v_full(s));
+      } else if (ptid == V_ISSUER) {
         tma_tile(sm.v_tile(s), maps.v, sm.v_full(s), sm.v_empty(s), slot.phase, key0);
       }
     }
