@@ -458,7 +458,7 @@ __device__ __forceinline__ void tma_produce(const FlashFwdParams& p, const Flash
         }
       }
     };
-    // Keys key0 .. of K or V into `tile` (thread 0), once the consumers freed it (`empty`).
+    // Keys key0 .. of K or V into `tile` (by its issuer), once the consumers freed it.
     // Paged (maps of (head dim, slot, KV head, cache block)): a box of box_rows keys per
     // 64-column block at each block-table entry the tile's keys inside the sequence reach;
     // the tile's rows past them keep what they held (K: masked by select; V: the edge copy).
@@ -586,9 +586,9 @@ __device__ __forceinline__ void cp_async_produce(const FlashFwdParams& p, Sm90Sm
   cp_async_wait<0>();   // nothing may still be writing shared memory when the block exits
 }
 
-// Grid: (min(items, SMs)) for dense calls and varlen ones by TMA (a fetched schedule),
-// (ceil(max_seqlen_q / BLOCK_M), num_heads, batch x num_splits) for varlen ones by cp.async
-// (grid_item); outputs as flash_fwd_kernel; block: THREADS = 128 x (1 + NUM_WG).
+// Grid: (min(items, SMs)) for dense calls and for varlen and paged ones of a fetched
+// schedule (FETCH_VARLEN), else (ceil(max_seqlen_q / BLOCK_M), num_heads, batch x
+// num_splits) (grid_item); outputs as flash_fwd_kernel; block: THREADS = 128 x (1 + NUM_WG).
 template <typename Tr>
 __device__ void flash_fwd_sm90_kernel(const FlashFwdParams& p, const FlashTmaMaps& maps,
                                       const FlashSm90Schedule& sched) {
