@@ -290,8 +290,9 @@ def _plan(c: Call) -> Plan:
 
     device = device_info(c.device_id)
     arch = device.arch
-    tma = c.qkv is not None and tuning.flash_path(arch, head_dim) == "wgmma" and \
-        _tma.encodable(c.dtype.short, c.qkv)
+    # (a call with its own variant_for, paged_prefill, made this choice itself)
+    tma = c.variant_for is None and c.qkv is not None and \
+        tuning.flash_path(arch, head_dim) == "wgmma" and _tma.encodable(c.dtype.short, c.qkv)
 
     def variant_for(split: bool):
         if c.variant_for is not None:

@@ -163,6 +163,19 @@ __device__ __forceinline__ SeqRange key_range(const FlashFwdParams& p, int b) {
   return seq_range(p.cu_seqlens_k, b, p.seqlen_k);
 }
 
+// A paged cache (params/flash_fwd.cuh): batch entry b's block-table row, and for its key j
+// the cache block (the row's entry) and the slot inside it.
+__device__ __forceinline__ const int* paged_table(const FlashFwdParams& p, int b) {
+  return static_cast<const int*>(p.block_tables) + b * p.bt_stride_seq;
+}
+__device__ __forceinline__ long long paged_block(const FlashFwdParams& p, const int* table,
+                                                 int j) {
+  return __ldg(table + (j >> p.block_shift));
+}
+__device__ __forceinline__ int paged_slot(const FlashFwdParams& p, int j) {
+  return j & ((1 << p.block_shift) - 1);
+}
+
 // The query rows of a block: row R of the block's sequence of rows is token R of head
 // head0, or with PACK_GQA token R / group of head head0 + R % group (the group query heads
 // of one KV head, interleaved per token so that a tile's rows span few tokens).
@@ -204,11 +217,9 @@ struct KVSource {
 
   // Paged: the cache block and slot of key j.
   __device__ __forceinline__ long long block_of(int j) const {
-    return __ldg(block_table + (j >> p.block_shift));
+    return paged_block(p, block_table, j);
   }
-  __device__ __forceinline__ int slot_of(int j) const {
-    return j & ((1 << p.block_shift) - 1);
-  }
+  __device__ __forceinline__ int slot_of(int j) const { return paged_slot(p, j); }
   // Element offsets of chunk ch of key j's K row and of its V row
   // (vLLM's layout has its own K path and a [dim][key] V tile: dense and NHD only.)
   __device__ __forceinline__ long long k_offset(int j, int ch) const {
@@ -797,7 +808,7 @@ __device__ void flash_fwd_kernel(const FlashFwdParams& p) {
   const C* v_rows = static_cast<const C*>(p.v) + kvh * p.v_stride_head;
   const int* block_table = nullptr;
   if constexpr (Tr::PAGED) {
-    block_table = static_cast<const int*>(p.block_tables) + b * p.bt_stride_seq;
+    block_table = paged_table(p, b);
   } else {
     k_rows += b * p.k_stride_batch + (long long)kr.start * p.k_stride_row;
     v_rows += b * p.v_stride_batch + (long long)kr.start * p.v_stride_row;

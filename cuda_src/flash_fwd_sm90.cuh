@@ -227,15 +227,15 @@ __device__ __forceinline__ void copy_paged_tile(u32 dst, const FlashFwdParams& p
   using T = typename Tr::T;
   constexpr int BN = Tr::BLOCK_N, D_CHUNKS = Tr::D_CHUNKS;
   const T* v_head = static_cast<const T*>(p.v) + blk.kvh * p.v_stride_head;
-  const int* table = static_cast<const int*>(p.block_tables) + blk.b * p.bt_stride_seq;
+  const int* table = paged_table(p, blk.b);
 #pragma unroll 1
   for (int c = ptid; c < BN * D_CHUNKS; c += Tr::PRODUCER_THREADS) {
     const int r = c / D_CHUNKS, ch = c % D_CHUNKS, key = key0 + r;
     const bool ok = key < blk.kr.len && ch < p.head_dim / 8;
     const T* src = v_head;
     if (ok) {
-      src += __ldg(table + (key >> p.block_shift)) * p.v_stride_block +
-             (key & ((1 << p.block_shift) - 1)) * p.v_stride_row + ch * 8;
+      src += paged_block(p, table, key) * p.v_stride_block +
+             paged_slot(p, key) * p.v_stride_row + ch * 8;
     }
     cp_async_16(dst + sw128_offset<BN>(r, ch), src, ok ? 16 : 0);
   }
@@ -469,12 +469,12 @@ __device__ __forceinline__ void tma_produce(const FlashFwdParams& p, const Flash
         const int box = Tr::box_rows(p.block_shift);
         const int boxes = (min(BN, blk.kr.len - key0) + box - 1) / box;
         mbar_arrive_expect_tx(full, boxes * box * (Tr::HEAD_DIM * 2));
-        const int* table = static_cast<const int*>(p.block_tables) + blk.b * p.bt_stride_seq;
+        const int* table = paged_table(p, blk.b);
 #pragma unroll 1
         for (int i = 0; i < boxes; ++i) {
           const int key = key0 + i * box;
-          const int page = __ldg(table + (key >> p.block_shift));
-          const int slot = key & ((1 << p.block_shift) - 1);
+          const int page = int(paged_block(p, table, key));
+          const int slot = paged_slot(p, key);
 #pragma unroll
           for (int cb = 0; cb < COL_BLOCKS; ++cb) {
             tma_load_4d(tile + cb * (BN * 128) + i * (box * 128), map, full, cb * 64, slot,
