@@ -460,24 +460,26 @@ __device__ __forceinline__ void tma_produce(const FlashFwdParams& p, const Flash
     };
     // Keys key0 .. of K or V into `tile` (by its issuer), once the consumers freed it.
     // Paged (maps of (head dim, slot, KV head, cache block)): a box of box_rows keys per
-    // 64-column block at each block-table entry the tile's keys inside the sequence reach;
-    // the tile's rows past them keep what they held (K: masked by select; V: the edge copy).
+    // 64-column block at each block-table entry the tile's keys inside the sequence reach,
+    // box i from lane i of the issuing warp (one table load per lane, all in flight at
+    // once); the tile's rows past them keep what they held (K: masked by select; V: the
+    // edge copy).
     auto tma_tile = [&](u32 tile, const TmaDescriptor& map, u32 full, u32 empty, int phase,
                         int key0) {
       mbar_wait(empty, phase ^ 1);
       if constexpr (Tr::PAGED) {
+        const int lane = ptid % 32;
         const int box = Tr::box_rows(p.block_shift);
-        const int boxes = (min(BN, blk.kr.len - key0) + box - 1) / box;
-        mbar_arrive_expect_tx(full, boxes * box * (Tr::HEAD_DIM * 2));
-        const int* table = paged_table(p, blk.b);
-#pragma unroll 1
-        for (int i = 0; i < boxes; ++i) {
-          const int key = key0 + i * box;
-          const int page = int(paged_block(p, table, key));
+        const int boxes = (min(BN, blk.kr.len - key0) + box - 1) / box;   // <= BN / 8 <= 32
+        if (lane == 0) mbar_arrive_expect_tx(full, boxes * box * (Tr::HEAD_DIM * 2));
+        __syncwarp();
+        if (lane < boxes) {
+          const int key = key0 + lane * box;
+          const int page = int(paged_block(p, paged_table(p, blk.b), key));
           const int slot = paged_slot(p, key);
 #pragma unroll
           for (int cb = 0; cb < COL_BLOCKS; ++cb) {
-            tma_load_4d(tile + cb * (BN * 128) + i * (box * 128), map, full, cb * 64, slot,
+            tma_load_4d(tile + cb * (BN * 128) + lane * (box * 128), map, full, cb * 64, slot,
                         blk.kvh, page);
           }
         }
@@ -492,19 +494,22 @@ __device__ __forceinline__ void tma_produce(const FlashFwdParams& p, const Flash
     };
     const KeyTiles& tiles = blk.tiles;
     if (tiles.n_steps == 0 && ptid == 0) load_q();
-    // The V issuer: thread 0, or for a paged call warp 1's lane 0, so that the two rings'
-    // boxes (one per cache block and 64 columns) go out in parallel; one thread issuing both
-    // was the wall for small cache blocks (bench/NOTES.md, "paged_prefill on the Hopper
-    // kernel": block 16, 0.81x the time with two issuers).
+    // The issuers: thread 0 issues Q and K, and V too for a dense call. A paged call issues
+    // each K tile from warp 0 and each V tile from warp 1, a box per lane (its boxes, one
+    // per cache block and 64 columns, are many: one thread issuing both rings' boxes was the
+    // wall for small cache blocks, bench/NOTES.md "paged_prefill on the Hopper kernel");
+    // V_ISSUER, warp 1's lane 0, follows the V ring on edge tiles.
     constexpr int V_ISSUER = Tr::PAGED ? 32 : 0;
+    const bool k_warp = Tr::PAGED ? ptid < 32 : ptid == 0;
+    const bool v_warp = Tr::PAGED ? ptid / 32 == 1 : ptid == 0;
 #pragma unroll 1
     for (int n = 0; n < tiles.n_steps; ++n) {
       const RingSlot<Tr> slot(blk.first_step + n);
       const int s = slot.stage;
       const int key0 = tiles.tile_of(n) * BN;
-      if (ptid == 0) {
+      if (k_warp) {
         tma_tile(sm.k_tile(s), maps.k, sm.k_full(s), sm.k_empty(s), slot.phase, key0);
-        if (n == 0) load_q();
+        if (n == 0 && ptid == 0) load_q();
       }
       // Varlen: a V tile crossing its sequence's end is copied by the whole warpgroup
       // (cp.async, zero-filled past the end). The V issuer alone follows the V ring's phases,
@@ -530,7 +535,7 @@ __device__ __forceinline__ void tma_produce(const FlashFwdParams& p, const Flash
         fence_proxy_async();   // generic-proxy writes, read next by wgmma (the async proxy)
         named_barrier_sync(Tr::PRODUCER_BARRIER, Tr::PRODUCER_THREADS);
         if (ptid == V_ISSUER) mbar_arrive(sm.v_full(s));
-      } else if (ptid == V_ISSUER) {
+      } else if (v_warp) {
         tma_tile(sm.v_tile(s), maps.v, sm.v_full(s), sm.v_empty(s), slot.phase, key0);
       }
     }
