@@ -151,7 +151,7 @@ def verify_rows(ceilings, quick: bool) -> list[dict]:
 
 
 def hook_rows(quick: bool) -> list[dict]:
-    """Each hook against the same call without it (kernel-only)."""
+    """Each hook against the same call without it (kernel-only, each measurement settled)."""
     rows = []
     sinks = cupy.random.uniform(-1, 2, NUM_HEADS).astype(np.float32)
     def hooks(ctx, right=0):
@@ -161,9 +161,9 @@ def hook_rows(quick: bool) -> list[dict]:
     if not quick:
         cases.append(("verify 4 new, 64 x ctx 4096", PagedCase(64, 4096, 4, "vllm", 16)))
     for name, case in cases:
-        base = _graph_ms(case.prefill())
+        base = _graph_ms(case.prefill(), settle_s=SETTLE_S)
         for hook, kw in hooks(case.ctx):
-            ms = _graph_ms(case.prefill(**kw))
+            ms = _graph_ms(case.prefill(**kw), settle_s=SETTLE_S)
             rows.append({"call": f"paged_prefill {name}", "hook": hook, "us": ms * 1e3,
                          "without us": base * 1e3, "cost": ms / base - 1})
         del case
@@ -171,9 +171,10 @@ def hook_rows(quick: bool) -> list[dict]:
     out = cupy.empty_like(q)
     for causal in (False, True):
         call = dict(causal=causal, out=out)
-        base = _graph_ms(lambda: cuattn.flash_forward(q, k, v, **call))
+        base = _graph_ms(lambda: cuattn.flash_forward(q, k, v, **call), settle_s=SETTLE_S)
         for hook, kw in hooks(4096, 0 if causal else 4096):
-            ms = _graph_ms(lambda kw=kw: cuattn.flash_forward(q, k, v, **call, **kw))
+            ms = _graph_ms(lambda kw=kw: cuattn.flash_forward(q, k, v, **call, **kw),
+                           settle_s=SETTLE_S)
             rows.append({"call": f"flash_forward hd128 S4096 B4 {'causal' if causal else 'full'}",
                          "hook": hook, "us": ms * 1e3, "without us": base * 1e3,
                          "cost": ms / base - 1})

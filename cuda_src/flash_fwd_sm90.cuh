@@ -687,13 +687,17 @@ __device__ void flash_fwd_sm90_kernel(const FlashFwdParams& p, const FlashTmaMap
     float s_acc[1][Tr::S_N_TILES][4];
     u32 p_pack[1][Tr::PV_K_STEPS][4];
     float alpha[1][2];
-    WarpSoftmax<Tr> softmax(p.scale_log2);
+    // Softcap leaves scores as t = tanh(s x cap_in), in units of cap_out: the softmax scale,
+    // the ALiBi slope and the sink logit take the factor instead of every score (one FMUL
+    // fewer per score: bench/NOTES.md, "Softcap on the Hopper kernel").
+    const float unit = Tr::SOFTCAP ? p.softcap_out : 1.f;
+    WarpSoftmax<Tr> softmax(p.scale_log2 * unit);
 
     float slope = 0.f;
     if constexpr (Tr::ALIBI) {
-      slope = static_cast<const float*>(p.alibi_slopes)[blk.head] * p.softmax_scale_inv;
+      slope = static_cast<const float*>(p.alibi_slopes)[blk.head] * p.softmax_scale_inv / unit;
     }
-    const typename Tr::Logits hook(slope, p.softcap_in, p.softcap_out);
+    const typename Tr::Logits hook(slope, p.softcap_in, 1.f);
 
     // S = Q K^T of step n into s_acc (issued, committed; the caller waits)
     auto issue_qk = [&](int n) {
@@ -787,7 +791,8 @@ __device__ void flash_fwd_sm90_kernel(const FlashFwdParams& p, const FlashTmaMap
     constexpr bool FINISH_SINKS = Tr::SINKS && !Tr::SPLIT;
     float sink[1][2];
     sink[0][0] = sink[0][1] =
-        FINISH_SINKS ? static_cast<const float*>(p.sinks)[blk.head] * p.softmax_scale_inv : 0.f;
+        FINISH_SINKS ? static_cast<const float*>(p.sinks)[blk.head] * p.softmax_scale_inv / unit
+                     : 0.f;
     const auto rows = softmax.template finish<FINISH_SINKS>(sink);
     const Lane at = lane_place();
     const QueryRows<false> qrows{blk.head, 1};
