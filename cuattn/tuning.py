@@ -401,7 +401,9 @@ def _multi_token_columns(head_size: int) -> int:
 
 
 def _multi_tokens(max_seqlen_q: int) -> int:
-    return 1 << max(0, max_seqlen_q - 1).bit_length()
+    # At least 2: the 1-token form is paged_attention's decode, whose query row is the
+    # sequence (it reads no cu_seqlens_q), wrong once a sequence has no new token.
+    return max(2, 1 << max(0, max_seqlen_q - 1).bit_length())
 
 
 # Long chunks run on the Hopper kernel (its TMA producer takes a box per cache block: NHD

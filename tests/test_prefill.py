@@ -140,7 +140,7 @@ def test_few_token_forms_compile_for_sm90_without_spills():
 
 
 def test_few_token_rule():
-    assert tuning.paged_multi_token(128, 4, 1) == (1, 4)      # plain decode
+    assert tuning.paged_multi_token(128, 4, 1) == (2, 4)      # rows of cu_seqlens_q, not decode's
     assert tuning.paged_multi_token(128, 4, 4) == (4, 4)      # 16 columns
     assert tuning.paged_multi_token(128, 4, 16) == (16, 2)    # 32 columns: half the group
     assert tuning.paged_multi_token(128, 8, 3) == (4, 8)
@@ -621,6 +621,24 @@ def test_few_token_form_layouts_and_splits(rng, layout, block_size, num_splits):
     out, lse = run_prefill(b, kv_layout=layout, num_splits=num_splits)
     assert bool(np.isnan(out[real:].get().astype(np.float32)).all())
     ref = batch_reference(b, 1 / math.sqrt(128), causal=True)
+    check(out[:real], lse[:, :real], *ref, "bf16")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [0, 1, 5])
+def test_few_token_form_one_token_with_empty_sequences(rng, num_splits):
+    """max_seqlen_q 1 and sequences without a new token (requests that wait this step): each
+    sequence's token is its row of cu_seqlens_q (the 1-token form, plain decode's kernel,
+    once put sequence s's attention in row s and wrote past the last row; found by the
+    fuzz, seed 3995233130). Rows past cu_seqlens_q[-1] are left alone."""
+    b = make_batch(rng, contexts=[255, 91, 40, 7, 300], q_lens=[0, 1, 0, 1, 1], nkv=1,
+                   group=16, head_size=112, block_size=32, dtype="bf16", layout="vllm")
+    assert tuning.paged_prefill_form("bf16", 112, b["max_seqlen_q"], 3) == "decode"
+    real = b["q"].shape[0]
+    b["q"] = np.concatenate([b["q"], b["q"][:2]])          # 2 rows no sequence covers
+    out, lse = run_prefill(b, num_splits=num_splits)
+    assert bool(np.isnan(out[real:].get().astype(np.float32)).all())
+    ref = batch_reference(b, 1 / math.sqrt(112), causal=True)
     check(out[:real], lse[:, :real], *ref, "bf16")
 
 
