@@ -519,12 +519,21 @@ class PagedMmaTiles:
     stages: int = 3
 
 
-def paged_mma_tiles(head_size: int) -> PagedMmaTiles:
-    """Ring shape for a head size: above 128 two stages keep two blocks per SM up to hd192."""
+# Multi-token decode of 4 to 8 tokens takes two stages at every head size. MEASURED (bench/
+# lab/verify_sweep.py, H200, bf16 hd128 group 4, vLLM layout block 16, L2 flushed, time over
+# single-token decode, 3 stages -> 2): 8 new tokens 32 x 4096 1.175 -> 1.139, 64 x 4096
+# 1.177 -> 1.161, 64 x 16384 1.057 -> 1.045; 4 new 32 x 4096 1.063 -> 1.054 (4 stages,
+# 8 warps, 2 warps and v2 partitions all slower). 2 tokens lost on two stages (prefill
+# suite, batch 64, 4096 and 16384: 1.00-1.01 -> 1.07), so they keep three; 16 were not
+# measured and keep three.
+def paged_mma_tiles(head_size: int, tokens: int = 1) -> PagedMmaTiles:
+    """Ring shape for a head size (above 128 two stages keep two blocks per SM up to hd192)
+    and the query tokens per sequence."""
     forced = _overrides.get("paged_mma")
     if forced is not None:
         return forced
-    return PagedMmaTiles() if head_size <= 128 else PagedMmaTiles(stages=2)
+    two = head_size > 128 or 4 <= tokens <= 8
+    return PagedMmaTiles(stages=2) if two else PagedMmaTiles()
 
 
 def paged_mma_variant(dtype: str, head_size: int, block_size: int, group: int,
@@ -532,7 +541,7 @@ def paged_mma_variant(dtype: str, head_size: int, block_size: int, group: int,
                       sinks: bool = False, nhd: bool = False,
                       tokens: int = 1) -> PagedMmaVariant:
     """tokens > 1: multi-token decode (paged_multi_token)."""
-    t = paged_mma_tiles(head_size)
+    t = paged_mma_tiles(head_size, tokens)
     return PagedMmaVariant(dtype, head_size, block_size, group, partition_size, alibi,
                            t.num_warps, t.stages, softcap, sinks and not partition_size, nhd,
                            tokens)

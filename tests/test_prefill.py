@@ -146,6 +146,11 @@ def test_few_token_rule():
     assert tuning.paged_multi_token(128, 8, 3) == (4, 8)
     assert tuning.paged_multi_token(256, 8, 8) == (8, 2)      # hd256: 16 columns
     assert tuning.paged_multi_token(96, 6, 4) == (4, 6)       # 24 columns: 3 n-tiles
+    # multi-token decode rings: two stages for 4-8 tokens (verify_sweep), else decode's ring
+    assert [tuning.paged_mma_variant("bf16", 128, 16, 4, 0, False, tokens=t).stages
+            for t in (2, 4, 8, 16)] == [3, 2, 2, 3]
+    assert tuning.paged_mma_variant("bf16", 128, 16, 4, 0, False).stages == \
+        tuning.paged_mma_tiles(128).stages == 3
     form = tuning.paged_prefill_form
     assert form("bf16", 128, 16, 1000) == "decode"
     assert form("bf16", 128, 17, 1000) == "flash"             # a chunk
