@@ -519,6 +519,8 @@ __device__ __forceinline__ void tma_produce(const FlashFwdParams& p, const Flash
       // then takes an old phase for its own and overwrites V in use (waiting only at edge
       // tiles: session 6), or waits for a phase only this warpgroup's next copy completes,
       // a deadlock (waiting every step: seen under racecheck, bench/NOTES.md "Session 7").
+      // (Paged: warp 1's other lanes wait too, at TMA steps only, with V_ISSUER: tma_tile's
+      // __syncwarp keeps them at its step, so they never fall behind.)
       if (VARLEN && key0 + BN > blk.kr.len) {
         if (ptid == V_ISSUER) mbar_wait(sm.v_empty(s), slot.phase ^ 1);
         named_barrier_sync(Tr::PRODUCER_BARRIER, Tr::PRODUCER_THREADS);   // the stage is free
