@@ -97,6 +97,7 @@ reduced="tests/test_merge.py
  tests/test_prefill.py::test_few_token_form_layouts_and_splits[1-nhd-1]
  tests/test_prefill.py::test_few_token_form_hooks_and_windows[4-False-window3-softcap+alibi+sinks]
  tests/test_prefill.py::test_few_token_form_head_sizes_and_groups[vllm-96-2-6-bf16]
+ tests/test_prefill.py::test_few_token_form_one_token_with_empty_sequences[5]
  tests/test_prefill.py::test_fp8_caches_both_layouts[vllm-8]
  tests/test_prefill.py::test_fp8_caches_both_layouts[nhd-1]
  tests/test_prefill.py::test_fp8_caches_head_sizes_hooks_splits[softcap+alibi+sinks-False-window1-0-80-8-bf16]
