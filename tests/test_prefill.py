@@ -284,6 +284,16 @@ def run_prefill(b, **kw):
     return out, lse
 
 
+def run_prefill_padded(b, pad, **kw):
+    """run_prefill with `pad` query rows past cu_seqlens_q[-1] (rows no sequence covers),
+    which must stay untouched (NaN); -> (out, lse, the covered rows)."""
+    real = b["q"].shape[0]
+    b["q"] = np.concatenate([b["q"], b["q"][:pad]])
+    out, lse = run_prefill(b, **kw)
+    assert bool(np.isnan(out[real:].get().astype(np.float32)).all())
+    return out, lse, real
+
+
 def hook_values(rng, nheads, which):
     """softcap / alibi_slopes / sinks values for the hooks named in ``which``."""
     kw = {}
@@ -621,10 +631,7 @@ def test_few_token_form_layouts_and_splits(rng, layout, block_size, num_splits):
     b = make_batch(rng, contexts=FEW_CTX, q_lens=FEW_Q, nkv=2, group=4, head_size=128,
                    block_size=block_size, dtype="bf16", layout=layout)
     assert tuning.paged_prefill_form("bf16", 128, b["max_seqlen_q"], 1) == "decode"
-    real = b["q"].shape[0]
-    b["q"] = np.concatenate([b["q"], b["q"][:3]])          # 3 rows no sequence covers
-    out, lse = run_prefill(b, kv_layout=layout, num_splits=num_splits)
-    assert bool(np.isnan(out[real:].get().astype(np.float32)).all())
+    out, lse, real = run_prefill_padded(b, 3, kv_layout=layout, num_splits=num_splits)
     ref = batch_reference(b, 1 / math.sqrt(128), causal=True)
     check(out[:real], lse[:, :real], *ref, "bf16")
 
@@ -639,10 +646,7 @@ def test_few_token_form_one_token_with_empty_sequences(rng, num_splits):
     b = make_batch(rng, contexts=[255, 91, 40, 7, 300], q_lens=[0, 1, 0, 1, 1], nkv=1,
                    group=16, head_size=112, block_size=32, dtype="bf16", layout="vllm")
     assert tuning.paged_prefill_form("bf16", 112, b["max_seqlen_q"], 3) == "decode"
-    real = b["q"].shape[0]
-    b["q"] = np.concatenate([b["q"], b["q"][:2]])          # 2 rows no sequence covers
-    out, lse = run_prefill(b, num_splits=num_splits)
-    assert bool(np.isnan(out[real:].get().astype(np.float32)).all())
+    out, lse, real = run_prefill_padded(b, 2, num_splits=num_splits)
     ref = batch_reference(b, 1 / math.sqrt(112), causal=True)
     check(out[:real], lse[:, :real], *ref, "bf16")
 

@@ -18,7 +18,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import cupy  # noqa: E402
-import numpy as np  # noqa: E402
 
 import cuattn  # noqa: E402
 from bench.harness import format_table, randn  # noqa: E402
