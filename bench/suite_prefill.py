@@ -8,8 +8,8 @@ blocks). Kernel-only times (CUDA-graph replays, harness.median_ms graph=...) for
   beside flash_varlen_forward on the same K/V laid out contiguously (causal, bottom-right).
   FLOPs = 4 * H * D * (keys each new token sees), summed. "varlen/paged" > 0.95 is the
   target: what paging costs. On Hopper both run the Hopper kernel where it takes the call
-  (nhd; tuning.paged_prefill_path), and "mma.sync us" is the same paged call forced onto
-  the mma.sync kernel (tuning.override(flash_path="mma"); the kernel before it).
+  (both layouts; tuning.paged_prefill_path), and "mma.sync us" is the same paged call forced
+  onto the mma.sync kernel (tuning.override(flash_path="mma"); the kernel before it).
 - verify: 2, 4, 8 new tokens per sequence, batch 32 and 64, contexts 4k and 16k, vllm/16,
   beside paged_attention (one token, same cache); L2 flushed ("clean") before every replay,
   so K/V come from memory. "% read BW": K+V bytes / time over the read ceiling of this run.

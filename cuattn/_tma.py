@@ -5,7 +5,9 @@ strides (varlen's packed (total, heads, head dim) arrays as batch 1; a paged NHD
 (num_blocks, block_size, heads, head dim) as (head dim, slot, head, cache block)), 128-byte
 swizzle and zero fill out of bounds: the Hopper kernel's producer copies a 64-column block
 of a tile (paged: of the tile's keys in one cache block, paged_box_rows) by one
-``cp.async.bulk.tensor``. A tensor map holds its tensor's address, so the maps are
+``cp.async.bulk.tensor``. vLLM's paged layout takes 5-d maps without swizzle whose strides
+do not increase (_Tensor.vllm_k / vllm_v): a box of a cache block's keys lands as the
+no-swizzle core matrices wgmma reads. A tensor map holds its tensor's address, so the maps are
 encoded on the host (the driver's ``cuTensorMapEncodeTiled``, which touches no device) for
 the pointers of each call, and kept per plan for the pointers seen last: a call on the
 buffers of an earlier one encodes nothing.
@@ -18,6 +20,8 @@ import sys
 from dataclasses import dataclass
 
 import numpy as np
+
+from .variants import KV_DENSE, KV_PAGED_NHD, KV_PAGED_VLLM
 
 MAP_BYTES = 128                      # sizeof(CUtensorMap)
 MAPS_DTYPE = np.dtype([("q", f"V{MAP_BYTES}"), ("k", f"V{MAP_BYTES}"), ("v", f"V{MAP_BYTES}")])
@@ -37,6 +41,14 @@ _COLS = 64                           # a 128-byte swizzle row: 64 16-bit columns
 _MAX_STRIDE = 1 << 40
 _KEEP = 16                           # pointer triples a plan keeps the maps of
 
+# cuda.h's enumerators for the maps below (tests/test_flash_sm90.py checks them against
+# cuda.bindings.driver's).
+DATA_TYPE = {"f16": 6, "bf16": 9}            # CU_TENSOR_MAP_DATA_TYPE_FLOAT16 / _BFLOAT16
+INTERLEAVE_NONE, L2_PROMOTION_256B, OOB_FILL_ZERO = 0, 3, 0
+SWIZZLE_NONE, SWIZZLE_32B, SWIZZLE_128B = 0, 1, 3
+# vLLM's V boxes hold at most this many keys (flash_fwd_sm90.cuh's VLLM_V_BOX)
+VLLM_V_BOX = 16
+
 
 def paged_box_rows(block_n: int, block_size: int) -> int:
     """The keys of one box of a paged map: the block size, at most the largest power of two
@@ -51,55 +63,121 @@ def fits(x) -> bool:
     return all(0 < s < _MAX_STRIDE for s, n in zip(x.strides[:-1], x.shape[:-1]) if n > 1)
 
 
-def encodable(dtype_short: str, arrays) -> bool:
-    """Whether tensor maps describe every array of ``arrays``: fits(), and the driver takes
-    its map (tried once per call signature, by the plan)."""
-    if not all(fits(x) for x in arrays):
-        return False
+def _fits_vllm(k, v) -> bool:
+    """vLLM's caches (cuattn.paged.layout): a K token's 16 bytes next to the next token's
+    (8 tokens of one chunk are one 128-byte run; for blocks of 8 likewise V's 8 dims),
+    every stride a positive multiple of 16 below 2**40 bytes."""
+    strides = [s for s, n in zip(k.strides[:3] + v.strides[:3], k.shape[:3] + v.shape[:3])
+               if n > 1]
+    return k.strides[3] == 16 and (v.shape[3] > 8 or v.strides[2] == 16) and \
+        all(0 < s < _MAX_STRIDE and s % 16 == 0 for s in strides)
+
+
+def _vllm_tensors(q, k, v, block_n: int, head_dim: int) -> tuple:
+    """The maps of a call on vLLM's caches: K's boxes of paged_box_rows keys, V's of at most
+    VLLM_V_BOX."""
+    rows = paged_box_rows(block_n, k.shape[3])
+    return (_Tensor.of(q, 64), _Tensor.vllm_k(k, rows, head_dim),
+            _Tensor.vllm_v(v, min(rows, VLLM_V_BOX), head_dim))
+
+
+def encodable(dtype_short: str, arrays, kv_layout: str | None = None) -> bool:
+    """Whether tensor maps describe every array of ``arrays`` (q, k, v; kv_layout "vllm":
+    k and v are vLLM's paged caches): fits(), and the driver takes its maps (tried once per
+    call signature, by the plan)."""
+    q, k, v = arrays
+    if kv_layout == "vllm":
+        if not (fits(q) and _fits_vllm(k, v)):
+            return False
+        tensors = zip(arrays, _vllm_tensors(q, k, v, 128, 64))
+    else:
+        if not all(fits(x) for x in arrays):
+            return False
+        tensors = [(x, _Tensor.of(x, 64)) for x in arrays]
     try:
-        for x in arrays:
-            encode(dtype_short, x.data.ptr, _Tensor.of(x, 64))
+        for x, t in tensors:
+            encode(dtype_short, x.data.ptr, t)
     except RuntimeError:
         return False
     return True
 
 
+def _length_one_free(pairs) -> tuple:
+    """The byte strides of (stride, length) pairs, 16 for a dimension of length one: it is
+    never stepped, and any valid stride describes it."""
+    return tuple(st if n > 1 else 16 for st, n in pairs)
+
+
 @dataclass(frozen=True)
 class _Tensor:
-    """What a map of one array says, but its address: dims innermost first, byte strides of
-    dims 1..3 and the box."""
-    dims: tuple[int, int, int, int]
-    strides: tuple[int, int, int]
-    box: tuple[int, int, int, int]
+    """What a map of one array says, but its address: dims innermost first, the byte strides
+    of the dims after the first, the box and the swizzle."""
+    dims: tuple[int, ...]
+    strides: tuple[int, ...]
+    box: tuple[int, ...]
+    swizzle: int = SWIZZLE_128B
 
     @classmethod
     def of(cls, x, box_rows: int) -> "_Tensor":
         """The map of a (batch, rows, heads, head dim) or varlen (rows, heads, head dim) x."""
         b, s, h, d = x.shape if x.ndim == 4 else (1,) + x.shape
         sb, ss, sh, _ = x.strides if x.ndim == 4 else (0,) + x.strides
-        # a dimension of length one is never stepped: any valid stride describes it
-        stride = [st if n > 1 else 16 for st, n in ((ss, s), (sh, h), (sb, b))]
-        return cls((d, max(s, 1), h, b), tuple(stride), (_COLS, box_rows, 1, 1))
+        return cls((d, max(s, 1), h, b), _length_one_free(((ss, s), (sh, h), (sb, b))),
+                   (_COLS, box_rows, 1, 1))
+
+    @classmethod
+    def vllm_k(cls, k, box_rows: int, head_dim: int) -> "_Tensor":
+        """vLLM's K cache (num_blocks, kvh, hd / 8, block, 8) as (8 tokens x 8 columns, chunk,
+        token group, KV head, cache block), no swizzle: a box of box_rows tokens lands as
+        [group][chunk][token % 8][8 columns] (the chunk's stride, block x 16 bytes, comes
+        before the group's 128: the driver takes strides that do not increase). head_dim:
+        the compiled one (whole chunks past the real head size land as zeros)."""
+        nb, nkv, chunks, bs, _ = k.shape
+        sb, sh, sx, st, _ = k.strides
+        return cls((64, chunks, bs // 8, nkv, nb),
+                   _length_one_free(((sx, chunks), (8 * st, bs // 8), (sh, nkv), (sb, nb))),
+                   (64, head_dim // 8, box_rows // 8, 1, 1), SWIZZLE_NONE)
+
+    @classmethod
+    def vllm_v(cls, v, box_rows: int, head_dim: int) -> "_Tensor":
+        """vLLM's V cache (num_blocks, kvh, hd, block), a box per cache block (box_rows 16:
+        16 tokens; 8: blocks of 8). 16: (16 tokens, dim, 16-token group, KV head, cache
+        block) with 32-byte swizzle, a box landing as a dim's 16 tokens per 32-byte row. 8:
+        (8 dims x 8 tokens, 8-dim group, 1, KV head, cache block), no swizzle: a box lands
+        as [dim][8 tokens], 128-byte core matrices."""
+        nb, nkv, hs, bs = v.shape
+        sb, sh, sd, _ = v.strides
+        if box_rows == 16:
+            return cls((16, hs, bs // 16, nkv, nb),
+                       _length_one_free(((sd, hs), (32, bs // 16), (sh, nkv), (sb, nb))),
+                       (16, head_dim, 1, 1, 1), SWIZZLE_32B)
+        return cls((64, hs // 8, 1, nkv, nb),
+                   _length_one_free(((8 * sd, hs // 8), (16, 1), (sh, nkv), (sb, nb))),
+                   (64, head_dim // 8, 1, 1, 1), SWIZZLE_NONE)
 
     @functools.cached_property
     def c_arrays(self) -> tuple:
         """dims, strides, box and element strides as the driver call takes them."""
-        c = ctypes
-        return ((c.c_uint64 * 4)(*self.dims), (c.c_uint64 * 3)(*self.strides),
-                (c.c_uint32 * 4)(*self.box), (c.c_uint32 * 4)(1, 1, 1, 1))
+        c, n = ctypes, len(self.dims)
+        return ((c.c_uint64 * n)(*self.dims), (c.c_uint64 * (n - 1))(*self.strides),
+                (c.c_uint32 * n)(*self.box), (c.c_uint32 * n)(*([1] * n)))
 
 
 class FlashMaps:
     """A plan's launch arguments for the TMA form: ``maps(ptrs)`` -> (FlashTmaMaps bytes,
     FlashSm90Schedule) for the pointers in slots ``slots`` (q, k, v) of the call's pointer
     list, and the tile counter's in slot ``counter_slot`` (varlen calls; None: no counter).
-    paged: k and v are paged NHD caches."""
+    kv (cuattn.variants KV_*): k and v are dense, or paged caches (NHD, vLLM's); head_dim:
+    the kernel's (vLLM's maps box whole compiled rows)."""
 
     def __init__(self, dtype_short: str, q, k, v, slots: tuple[int, int, int], block_n: int,
-                 counter_slot: int | None = None, paged: bool = False):
+                 counter_slot: int | None = None, kv: int = KV_DENSE, head_dim: int = 0):
         self.data_type = dtype_short
-        kv_rows = paged_box_rows(block_n, k.shape[1]) if paged else block_n
-        self.tensors = (_Tensor.of(q, 64), _Tensor.of(k, kv_rows), _Tensor.of(v, kv_rows))
+        if kv == KV_PAGED_VLLM:
+            self.tensors = _vllm_tensors(q, k, v, block_n, head_dim)
+        else:
+            rows = paged_box_rows(block_n, k.shape[1]) if kv == KV_PAGED_NHD else block_n
+            self.tensors = (_Tensor.of(q, 64), _Tensor.of(k, rows), _Tensor.of(v, rows))
         self.slots = slots
         self.counter_slot = counter_slot
         self._kept: dict[tuple, tuple] = {}
@@ -118,11 +196,6 @@ class FlashMaps:
         args = self._kept[key] = (np.frombuffer(blob, MAPS_DTYPE)[0], NO_SCHEDULE)
         return args
 
-
-# cuda.h's enumerators for the maps above (tests/test_flash_sm90.py checks them against
-# cuda.bindings.driver's).
-DATA_TYPE = {"f16": 6, "bf16": 9}            # CU_TENSOR_MAP_DATA_TYPE_FLOAT16 / _BFLOAT16
-INTERLEAVE_NONE, SWIZZLE_128B, L2_PROMOTION_256B, OOB_FILL_ZERO = 0, 3, 3, 0
 
 _encode_tiled = None
 
@@ -149,8 +222,8 @@ def encode(dtype_short: str, ptr: int, t: _Tensor) -> bytes:
     c = ctypes
     buf = c.create_string_buffer(MAP_BYTES + 64)
     at = (c.addressof(buf) + 63) & ~63           # the driver writes a 64-byte-aligned map
-    err = _driver_encode()(at, DATA_TYPE[dtype_short], 4, ptr, *t.c_arrays, INTERLEAVE_NONE,
-                           SWIZZLE_128B, L2_PROMOTION_256B, OOB_FILL_ZERO)
+    err = _driver_encode()(at, DATA_TYPE[dtype_short], len(t.dims), ptr, *t.c_arrays,
+                           INTERLEAVE_NONE, t.swizzle, L2_PROMOTION_256B, OOB_FILL_ZERO)
     if err != 0:
         raise RuntimeError(f"cuTensorMapEncodeTiled failed (CUresult {err}) for dims "
                            f"{t.dims}, strides {t.strides}, box {t.box}")

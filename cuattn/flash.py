@@ -344,9 +344,10 @@ def _plan(c: Call) -> Plan:
                             sm_count=device.sm_count)
         qkv_slots = (slot_of["q"], slot_of["k"], slot_of["v"])
         counter_slot = slots.scratch(len(scratch) - 1) if fetched else None
-        extra = _tma.FlashMaps(c.dtype.short, *c.qkv, qkv_slots, variant.block_n,
-                               counter_slot, paged=bool(variant.kv)) if variant.tma \
-            else _tma.no_maps
+        extra = _tma.no_maps
+        if variant.tma:
+            extra = _tma.FlashMaps(c.dtype.short, *c.qkv, qkv_slots, variant.block_n,
+                                   counter_slot, kv=variant.kv, head_dim=variant.head_dim)
     fields = dict(k_stride_block=0, v_stride_block=0, k_stride_chunk=8, v_stride_dim=0,
                   bt_stride_seq=0, block_shift=0, max_blocks_per_seq=0, k_scale=1.0,
                   v_scale=1.0)

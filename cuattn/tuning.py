@@ -13,7 +13,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
-from .variants import (FEAT_ALIBI, FEAT_PACK_GQA, FEAT_SOFTCAP, KV_DENSE, KV_PAGED_NHD,
+from .variants import (FEAT_ALIBI, FEAT_PACK_GQA, FEAT_SOFTCAP, KV_DENSE,
                        MASK_CAUSAL, MASK_NONE, MASK_WINDOW, SM90_ARCH,
                        FlashCombineVariant, FlashFwdSm90Variant, FlashFwdVariant, MergeVariant, PagedMmaVariant,
                        PagedReduceVariant, PagedSimtVariant, ReshapeCacheVariant)
@@ -275,12 +275,12 @@ def flash_path(arch: str, head_dim: int) -> str:
 
 def flash_sm90_variant(dtype: str, head_dim: int, *, mask: int, split: bool,
                        features: int = 0, tma: bool = False,
-                       seqlen_q: int | None = None, paged: bool = False) -> FlashFwdSm90Variant:
+                       seqlen_q: int | None = None, kv: int = KV_DENSE) -> FlashFwdSm90Variant:
     """The Hopper forward kernel for a real head dim, a mask kind, split-KV or not, the
     call's FEAT_* bits, whether its producer loads by TMA (a call whose Q / K / V tensor
     maps describe, cuattn._tma.encodable) or by cp.async, and the call's (longest) query
-    length (None: long). paged: K / V from a paged NHD cache (paged_prefill; by TMA), with
-    the tiles of a dense call."""
+    length (None: long). kv: dense K / V, or a paged cache (KV_PAGED_NHD / KV_PAGED_VLLM:
+    paged_prefill, by TMA) with the tiles of a dense call."""
     hd = sm90_head_dim(head_dim)
     short_causal = mask == MASK_CAUSAL and seqlen_q is not None and \
         seqlen_q <= FLASH_SM90_SHORT_CAUSAL.get(hd, 0)
@@ -289,7 +289,7 @@ def flash_sm90_variant(dtype: str, head_dim: int, *, mask: int, split: bool,
     t = _overrides.get("flash_sm90_tiles") or \
         (FLASH_SM90_TILES_HEAVY if heavy else FLASH_SM90_TILES).get(hd, FLASH_SM90_TILES[hd])
     return FlashFwdSm90Variant(dtype, hd, t.block_m, t.block_n, t.stages, mask, split, features,
-                               tma, KV_PAGED_NHD if paged else KV_DENSE)
+                               tma, kv)
 
 
 def flash_kernel_variant(dtype: str, head_dim: int, *, mask: int, split: bool, arch: str,
@@ -406,17 +406,17 @@ def _multi_tokens(max_seqlen_q: int) -> int:
     return max(2, 1 << max(0, max_seqlen_q - 1).bit_length())
 
 
-# Long chunks run on the Hopper kernel (its TMA producer takes a box per cache block: NHD
-# caches of blocks of at least 8 tokens, 16-bit; a box starts on the swizzle's 1024-byte
-# period) where flash_path picks it for the head size; vLLM's layout, fp8 caches and
-# smaller blocks stay on the mma.sync kernel.
+# Long chunks run on the Hopper kernel (its TMA producer takes a box per cache block: 16-bit
+# caches of blocks of at least 8 tokens, vLLM's (8 to 32) or NHD (a box starts on the
+# swizzle's 1024-byte period)) where flash_path picks it for the head size; fp8 caches and
+# smaller NHD blocks stay on the mma.sync kernel.
 PREFILL_SM90_MIN_BLOCK = 8
 
 
 def paged_prefill_path(arch: str, head_size: int, kv_layout: str, block_size: int,
                        cache: str) -> str:
     """"wgmma" or "mma": the flash kernel of paged_prefill's flash form."""
-    if flash_path(arch, head_size) == "wgmma" and kv_layout == "nhd" and cache != "e4m3" \
+    if flash_path(arch, head_size) == "wgmma" and cache != "e4m3" \
             and block_size >= PREFILL_SM90_MIN_BLOCK:
         return "wgmma"
     return "mma"

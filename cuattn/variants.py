@@ -189,7 +189,7 @@ class FlashFwdSm90Variant(Variant):
     split: bool           # write fp32 partials for the split-KV combine
     features: int = 0     # FEAT_* bits but FEAT_PACK_GQA
     tma: bool = False     # the producer loads by TMA (tensor maps of Q / K / V), else cp.async
-    kv: int = KV_DENSE    # dense K / V, or KV_PAGED_NHD (paged_prefill; by TMA only)
+    kv: int = KV_DENSE    # dense K / V, or a paged cache (paged_prefill; by TMA only)
 
     op: ClassVar[str] = "flash_fwd_sm90"
     header: ClassVar[str] = "flash_fwd_sm90.cuh"
@@ -203,11 +203,11 @@ class FlashFwdSm90Variant(Variant):
     def __post_init__(self):
         if self.mask not in _MASK_NAMES or not 0 <= self.features < 16 or \
                 self.features & FEAT_PACK_GQA or self.block_m % 64 or self.head_dim % 64 or \
-                self.kv not in (KV_DENSE, KV_PAGED_NHD) or (self.kv and not self.tma):
+                self.kv not in _KV_NAMES or (self.kv and not self.tma):
             raise ValueError(f"FlashFwdSm90Variant: mask 0 to 2 (got {self.mask}), features "
                              f"without FEAT_PACK_GQA (got {self.features}), block_m and "
                              f"head_dim multiples of 64 (got {self.block_m}, {self.head_dim}), "
-                             f"kv dense or paged NHD by TMA (got {self.kv}, tma {self.tma})")
+                             f"kv dense or paged by TMA (got {self.kv}, tma {self.tma})")
 
     def name_parts(self):
         return (self.dtype, f"hd{self.head_dim}", f"bm{self.block_m}", f"bn{self.block_n}",

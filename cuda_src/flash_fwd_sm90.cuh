@@ -3,9 +3,10 @@
 // wgmma.mma_async (Q and K from 128-byte-swizzled shared memory by descriptor, P from
 // registers as the A operand, V read transposed by its descriptor), warp-specialized: a
 // producer warpgroup loads Q and the K / V tiles into STAGES-deep rings guarded by
-// mbarriers (by TMA, a varlen V tile crossing its sequence's end and arrays a tensor map
-// cannot describe by cp.async), and 1-3 consumer warpgroups of 64 query rows each compute,
-// with setmaxnreg moving registers from the producer to them. Inside a consumer warpgroup
+// mbarriers (by TMA, paged caches a box per cache block; a varlen V tile crossing its
+// sequence's end and arrays a tensor map cannot describe by cp.async), and 1-3 consumer
+// warpgroups of 64 query rows each compute, with setmaxnreg moving registers from the
+// producer to them. Inside a consumer warpgroup
 // the softmax of tile n runs while O += P V of tile n-1 is in flight (intra-warpgroup
 // overlap). The grid is persistent (for_each_tile): each block walks several row tiles
 // (dense calls by a static stride, varlen ones taking tiles from a counter), and the
@@ -24,7 +25,8 @@ namespace cuattn {
 // cuattn/tuning.py) and the constants derived from them. MASK, SPLIT and FEATURES mean what
 // they mean in FlashFwdTraits (kPackGqa excepted: one query head per block); TMA: the
 // producer loads by tensor map (FlashTmaMaps), else by cp.async; KV: dense K / V, or a paged
-// NHD cache (kKvPagedNhd, paged_prefill: by TMA, a box per cache block).
+// cache (paged_prefill: by TMA, a box per cache block), NHD (kKvPagedNhd) or vLLM's layout
+// (kKvPagedVllm, its K and V tiles in no-swizzle core matrices: Sm90Smem).
 template <typename T_, int HEAD_DIM_, int BLOCK_M_, int BLOCK_N_, int STAGES_, bool TMA_,
           int MASK_, bool SPLIT_, int FEATURES_, int KV_>
 struct FlashFwdSm90Traits : FlashFeatures<FEATURES_> {
@@ -36,7 +38,8 @@ struct FlashFwdSm90Traits : FlashFeatures<FEATURES_> {
   static constexpr int STAGES = STAGES_;
   static constexpr bool TMA = TMA_;
   static constexpr bool SPLIT = SPLIT_;
-  static constexpr bool PAGED = KV_ == kKvPagedNhd;
+  static constexpr bool PAGED = KV_ != kKvDense;
+  static constexpr bool VLLM = KV_ == kKvPagedVllm;
 
   // Warpgroup 0 produces; warpgroups 1 .. NUM_WG compute, 64 query rows each.
   static constexpr int NUM_WG = BLOCK_M / 64;
@@ -65,9 +68,11 @@ struct FlashFwdSm90Traits : FlashFeatures<FEATURES_> {
   static constexpr int STORE_UNROLL = Q_LOADS_PER_LANE;
 
   // Shared memory (tiles 128-byte swizzled, common/wgmma.cuh): one 64-row Q tile per
-  // consumer warpgroup, the K ring, the V ring (tiles [key][dim]), the O tile where it fits,
-  // then the mbarriers: Q full / empty, K full / empty and V full / empty per stage. 1024
-  // bytes of slack align the base to the swizzle's 1024-byte period. The epilogue stages O
+  // consumer warpgroup, the K ring, the V ring (tiles [key][dim]; VLLM's as its boxes land
+  // them: K [key / 8][16-byte chunk][key % 8], no-swizzle core matrices of 8 keys x 16 bytes;
+  // V [key / 16][dim][key % 16], 32-byte-swizzled rows, or for blocks of 8 [key / 8][dim]
+  // [key % 8], no-swizzle), the O tile where it fits, then the mbarriers: Q full / empty, K full / empty and V full / empty per stage. 1024 bytes of
+  // slack align the base to the swizzle's 1024-byte period. The epilogue stages O
   // (as T) through shared memory for 16-byte stores: through a tile of its own where the
   // block's 227 KB hold one (O_TILE), so that the next row tile's Q loads under it; else
   // through the Q tiles (O_IN_Q: hd256), which are then released only after the epilogue.
@@ -119,14 +124,20 @@ struct FlashFwdSm90Traits : FlashFeatures<FEATURES_> {
                 "register split: setmaxnreg.inc would wait for registers no one frees");
   static_assert(STAGES >= 2, "at least double buffering");
   static_assert((FEATURES_ & kPackGqa) == 0, "one query head per block");
-  static_assert(KV_ == kKvDense || (KV_ == kKvPagedNhd && TMA_), "paged: NHD caches by TMA");
+  static_assert(KV_ == kKvDense || TMA_, "paged caches by TMA");
   // Paged: the rows of one TMA box, which stays inside one cache block: the block size, at
   // most the largest power of two dividing BLOCK_N (tiles start at multiples of BLOCK_N);
-  // at least 8 (a box starts on the 1024-byte period of the swizzle). cuattn/_tma.py
-  // encodes the maps' boxes by the same rule (paged_box_rows).
+  // at least 8 (NHD: a box starts on the 1024-byte period of the swizzle; vLLM: whole core
+  // matrices). cuattn/_tma.py encodes the maps' boxes by the same rule (paged_box_rows).
   static constexpr int BN_POW2 = BLOCK_N_ & -BLOCK_N_;
   static __device__ __forceinline__ int box_rows(int block_shift) {
     return min(BN_POW2, 1 << block_shift);
+  }
+  // VLLM's V boxes hold at most 16 keys: per dim a row of 16 keys is one 32-byte-swizzled
+  // row (SW32 tiles), of 8 keys (blocks of 8) a 16-byte row of a no-swizzle core matrix.
+  static constexpr int VLLM_V_BOX = 16;
+  static __device__ __forceinline__ int v_box_rows(int block_shift) {
+    return VLLM ? min(box_rows(block_shift), VLLM_V_BOX) : box_rows(block_shift);
   }
 };
 
@@ -217,17 +228,37 @@ struct Sm90Block {
   int first_step, q_phase;
 };
 
-// A paged V tile (NHD cache) crossing its sequence's end, as copy_tile lays a BLOCK_N-row
-// tile out: chunk c to thread c % 128, each key at its block-table entry, keys past the
-// sequence and columns past head_dim zero-filled (a rolled loop: the producer keeps few
-// registers, and a sequence has one such tile per row tile at most).
+// A paged V tile crossing its sequence's end, in the ring's layout: chunk c to thread
+// c % 128, each key at its block-table entry, keys past the sequence and columns past
+// head_dim zero-filled (a rolled loop: the producer keeps few registers, and a sequence has
+// one such tile per row tile at most). NHD: as copy_tile lays a BLOCK_N-row tile out. VLLM
+// (V (num_blocks, kvh, head dim, block)): a chunk is 8 keys of one dim, the keys of a chunk
+// past the sequence zero-filled by the copy's source size, laid out as the V boxes land
+// (Traits::v_box_rows: 16 keys per 32-byte-swizzled row, or 8 per 16-byte row).
 template <typename Tr>
 __device__ __forceinline__ void copy_paged_tile(u32 dst, const FlashFwdParams& p,
                                                 const Sm90Block& blk, int key0, int ptid) {
   using T = typename Tr::T;
-  constexpr int BN = Tr::BLOCK_N, D_CHUNKS = Tr::D_CHUNKS;
+  constexpr int BN = Tr::BLOCK_N, D_CHUNKS = Tr::D_CHUNKS, HD = Tr::HEAD_DIM;
   const T* v_head = static_cast<const T*>(p.v) + blk.kvh * p.v_stride_head;
   const int* table = paged_table(p, blk.b);
+  if constexpr (Tr::VLLM) {
+#pragma unroll 1
+    for (int c = ptid; c < BN / 8 * HD; c += Tr::PRODUCER_THREADS) {
+      const int wide = value_now(p.block_shift) >= 4;   // v_box_rows 16: 32-byte rows
+      const int kc = c / HD, d = c % HD, key = key0 + kc * 8;
+      const int keys = d < p.head_dim ? min(max(blk.kr.len - key, 0), 8) : 0;
+      const T* src = v_head;
+      if (keys > 0) {
+        src += paged_block(p, table, key) * p.v_stride_block + d * p.v_stride_dim +
+               paged_slot(p, key);
+      }
+      // the chunk's row (a dim of 8 or 16 keys), then its 16 bytes in it (32-byte swizzle)
+      const u32 row = (kc >> wide) * HD + d;
+      cp_async_16(dst + (((row << wide) | (wide & (kc ^ (d >> 2)))) << 4), src, keys * 2);
+    }
+    return;
+  }
 #pragma unroll 1
   for (int c = ptid; c < BN * D_CHUNKS; c += Tr::PRODUCER_THREADS) {
     const int r = c / D_CHUNKS, ch = c % D_CHUNKS, key = key0 + r;
@@ -459,17 +490,20 @@ __device__ __forceinline__ void tma_produce(const FlashFwdParams& p, const Flash
       }
     };
     // Keys key0 .. of K or V into `tile` (by its issuer), once the consumers freed it.
-    // Paged (maps of (head dim, slot, KV head, cache block)): a box of box_rows keys per
-    // 64-column block at each block-table entry the tile's keys inside the sequence reach,
-    // box i from lane i of the issuing warp (one table load per lane, all in flight at
-    // once); the tile's rows past them keep what they held (K: masked by select; V: the
-    // edge copy).
+    // Paged: box_rows keys at each block-table entry the tile's keys inside the sequence
+    // reach, box i from lane i of the issuing warp (one table load per lane, all in flight
+    // at once); the tile's rows past them keep what they held (K: masked by select; V: the
+    // edge copy). NHD (maps of (head dim, slot, KV head, cache block)): a box per 64-column
+    // block; VLLM (5-d maps of (a row's keys, its column chunk or dim, key group, KV head,
+    // cache block), cuattn/_tma.py): one box of every column, V's of v_box_rows keys.
     auto tma_tile = [&](u32 tile, const TmaDescriptor& map, u32 full, u32 empty, int phase,
-                        int key0) {
+                        int key0, bool v) {
       mbar_wait(empty, phase ^ 1);
       if constexpr (Tr::PAGED) {
         const int lane = ptid % 32;
-        const int box = Tr::box_rows(p.block_shift);
+        // (VLLM: the block shift re-read here, not held across the walk: 40 registers)
+        const int shift = Tr::VLLM ? value_now(p.block_shift) : p.block_shift;
+        const int box = v ? Tr::v_box_rows(shift) : Tr::box_rows(shift);
         const int boxes = (min(BN, blk.kr.len - key0) + box - 1) / box;   // <= BN / 8 <= 32
         if (lane == 0) mbar_arrive_expect_tx(full, boxes * box * (Tr::HEAD_DIM * 2));
         __syncwarp();
@@ -477,10 +511,15 @@ __device__ __forceinline__ void tma_produce(const FlashFwdParams& p, const Flash
           const int key = key0 + lane * box;
           const int page = int(paged_block(p, paged_table(p, blk.b), key));
           const int slot = paged_slot(p, key);
+          if constexpr (Tr::VLLM) {
+            tma_load_5d(tile + lane * (box * Tr::HEAD_DIM * 2), map, full, 0, 0,
+                        slot / (v ? box : 8), blk.kvh, page);   // (K's groups: 8 keys)
+          } else {
 #pragma unroll
-          for (int cb = 0; cb < COL_BLOCKS; ++cb) {
-            tma_load_4d(tile + cb * (BN * 128) + lane * (box * 128), map, full, cb * 64, slot,
-                        blk.kvh, page);
+            for (int cb = 0; cb < COL_BLOCKS; ++cb) {
+              tma_load_4d(tile + cb * (BN * 128) + lane * (box * 128), map, full, cb * 64,
+                          slot, blk.kvh, page);
+            }
           }
         }
       } else {
@@ -508,7 +547,7 @@ __device__ __forceinline__ void tma_produce(const FlashFwdParams& p, const Flash
       const int s = slot.stage;
       const int key0 = tiles.tile_of(n) * BN;
       if (k_warp) {
-        tma_tile(sm.k_tile(s), maps.k, sm.k_full(s), sm.k_empty(s), slot.phase, key0);
+        tma_tile(sm.k_tile(s), maps.k, sm.k_full(s), sm.k_empty(s), slot.phase, key0, false);
         if (n == 0 && ptid == 0) load_q();
       }
       // Varlen: a V tile crossing its sequence's end is copied by the whole warpgroup
@@ -538,7 +577,7 @@ __device__ __forceinline__ void tma_produce(const FlashFwdParams& p, const Flash
         named_barrier_sync(Tr::PRODUCER_BARRIER, Tr::PRODUCER_THREADS);
         if (ptid == V_ISSUER) mbar_arrive(sm.v_full(s));
       } else if (v_warp) {
-        tma_tile(sm.v_tile(s), maps.v, sm.v_full(s), sm.v_empty(s), slot.phase, key0);
+        tma_tile(sm.v_tile(s), maps.v, sm.v_full(s), sm.v_empty(s), slot.phase, key0, true);
       }
     }
   });
@@ -659,15 +698,30 @@ __device__ void flash_fwd_sm90_kernel(const FlashFwdParams& p, const FlashTmaMap
   // Descriptors: this warpgroup's Q rows (k16 step ks: column block ks / 4, 32 bytes per
   // step inside it), a K tile likewise, a V tile by k16 step of keys (16 rows of 128 bytes)
   // with its 64-column blocks BN x 128 bytes apart; each a tile's descriptor advanced.
+  // VLLM's tiles (K-major both): K (no swizzle) by k16 step two chunks (256 bytes) of every
+  // 8-key group; V by k16 step 16 keys (HEAD_DIM x 32 bytes), N its dims: one box of
+  // 32-byte-swizzled rows (SBO 256), or two 8-key groups of core matrices (LBO their
+  // distance, SBO 128) for blocks of 8 (v_fmt: the descriptor's fields but the address).
+  constexpr u32 GROUP_BYTES = Tr::HEAD_DIM * 16;   // VLLM: one 8-key group of a tile
+  const u64 v_fmt = Tr::VLLM && Tr::v_box_rows(p.block_shift) == 16
+                        ? sw32_desc(0) : plain_desc(0, GROUP_BYTES, 128);
   const u64 q_wg_desc = sw128_desc(sm.q + (warp / 4) * Tr::WG_Q_BYTES);
   auto q_desc = [&](int ks) {
     return desc_advance(q_wg_desc, (ks / 4) * (64 * 128) + (ks % 4) * 32);
   };
   auto k_desc = [&](int s, int ks) {
-    return desc_advance(sw128_desc(sm.k_tile(s)), (ks / 4) * (BN * 128) + (ks % 4) * 32);
+    if constexpr (Tr::VLLM) {
+      return desc_advance(plain_desc(sm.k_tile(s), 128, GROUP_BYTES), ks * 256);
+    } else {
+      return desc_advance(sw128_desc(sm.k_tile(s)), (ks / 4) * (BN * 128) + (ks % 4) * 32);
+    }
   };
   auto v_desc = [&](int s, int kk) {
-    return desc_advance(sw128_desc(sm.v_tile(s), BN * 128), kk * (16 * 128));
+    if constexpr (Tr::VLLM) {
+      return desc_advance(v_fmt, sm.v_tile(s) + kk * 2 * GROUP_BYTES);
+    } else {
+      return desc_advance(sw128_desc(sm.v_tile(s), BN * 128), kk * (16 * 128));
+    }
   };
 
   // (the producer's choice: tma_produce's FETCH)
@@ -717,7 +771,8 @@ __device__ void flash_fwd_sm90_kernel(const FlashFwdParams& p, const FlashTmaMap
       mbar_wait(sm.v_full(slot.stage), slot.phase);
 #pragma unroll
       for (int kk = 0; kk < Tr::PV_K_STEPS; ++kk) {
-        Wgmma<T, Tr::HEAD_DIM>::rs(o_acc[0], p_pack[0][kk], v_desc(slot.stage, kk), 1);
+        Wgmma<T, Tr::HEAD_DIM>::template rs<Tr::VLLM ? 0 : 1>(o_acc[0], p_pack[0][kk],
+                                                              v_desc(slot.stage, kk), 1);
       }
       wgmma_commit();
     };

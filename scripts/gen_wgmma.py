@@ -25,15 +25,16 @@ def _dlist(n: int) -> str:
     return ", ".join(f"%{i}" for i in range(n // 2))
 
 
-def _asm(n: int, ptx_t: str, a_inputs: list[str], flags: str) -> str:
+def _asm(n: int, ptx_t: str, a_inputs: list[str], flags: str, extra: list[str] = ()) -> str:
     """One wgmma asm statement: the N / 2 accumulators, then the A operand (a descriptor, or
-    four registers), B's descriptor and scale_d as inputs; `flags` are the immediates after
-    the scale-d predicate."""
+    four registers), B's descriptor, scale_d and `extra` as inputs; `flags` are the
+    immediates after the scale-d predicate (%E names extra's first operand)."""
     k = n // 2
     a_ops = ", ".join(f"%{k + i}" for i in range(len(a_inputs)))
     a_ops = a_ops if len(a_inputs) == 1 else "{" + a_ops + "}"
     b_op, d_op = k + len(a_inputs), k + len(a_inputs) + 1
-    inputs = ", ".join(a_inputs + ['"l"(b)', '"r"(scale_d)'])
+    flags = flags.replace("%E", f"%{d_op + 1}")
+    inputs = ", ".join(a_inputs + ['"l"(b)', '"r"(scale_d)'] + list(extra))
     return (f'    asm volatile(\n'
             f'        "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{d_op}, 0;\\n"\n'
             f'        "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx_t}.{ptx_t} "\n'
@@ -47,8 +48,8 @@ def _ss(n: int, ptx_t: str) -> str:
     return _asm(n, ptx_t, ['"l"(a)'], "1, 1, 0, 0")          # scale A, B; no transposes
 
 
-def _rs(n: int, ptx_t: str) -> str:
-    return _asm(n, ptx_t, [f'"r"(a[{i}])' for i in range(4)], "1, 1, 1")   # B transposed
+def _rs(n: int, ptx_t: str) -> str:   # B transposed (MN-major) unless TRANS_B is 0
+    return _asm(n, ptx_t, [f'"r"(a[{i}])' for i in range(4)], "1, 1, %E", ['"n"(TRANS_B)'])
 
 
 def render() -> str:
@@ -60,8 +61,9 @@ def render() -> str:
         "// 16 w .. 16 w + 15, and d[j] is the n8 tile j (common/mma.cuh's C fragment).",
         "//   Wgmma<T, N>::ss(d, a, b, scale_d): A (64 x 16) and B (N x 16), both K-major, by",
         "//     shared-memory descriptors (common/wgmma.cuh); d = A B^T + (scale_d ? d : 0).",
-        "//   Wgmma<T, N>::rs(d, a, b, scale_d): A from registers (mma.sync's A fragment of the",
-        "//     warp's 16 rows), B (16 x N) MN-major (transposed) by descriptor.",
+        "//   Wgmma<T, N>::rs<TRANS_B = 1>(d, a, b, scale_d): A from registers (mma.sync's A",
+        "//     fragment of the warp's 16 rows), B (16 x N) by descriptor, MN-major (transposed;",
+        "//     TRANS_B 0: K-major).",
         "#pragma once",
         "#include <cuda_fp16.h>",
         "#include <cuda_bf16.h>",
@@ -77,6 +79,8 @@ def render() -> str:
             for name, ns, a_arg, body in (("ss", SS_NS, "unsigned long long a", _ss),
                                           ("rs", RS_NS, "const unsigned (&a)[4]", _rs)):
                 if n in ns:
+                    if name == "rs":
+                        out.append("  template <int TRANS_B = 1>")
                     out.append(f"  static __device__ __forceinline__ void {name}(float "
                                f"(&d)[{n // 8}][4], {a_arg},")
                     out.append("                                          unsigned long long b, "

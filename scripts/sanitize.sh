@@ -43,7 +43,7 @@ command -v "$cs" > /dev/null || { echo "sanitize.sh: $cs not found (set COMPUTE_
 # sequences, GQA 1..16, fp8, ALiBi, both forms of the paged kernel (tensor-core, CUDA-core)
 # on odd groups; reshape_and_cache; merge (pair, stacked, +/-inf); CUDA-graph replays of all of them;
 # paged_prefill (both layouts, block sizes 1 and 8, few and many rows, split + sinks, every
-# hook, prefix sharing, graph replay; the few-token form v1 and v2, hooks and windows, 3
+# hook, prefix sharing, graph replay; long chunks of both layouts on the Hopper kernel; the few-token form v1 and v2, hooks and windows, 3
 # n-tiles; fp8 caches in both layouts), NHD reshape_and_cache, the hooks on flash and on
 # both decode forms (v1 and v2, NHD block sizes 1 and 256, windows).
 reduced="tests/test_merge.py
@@ -93,6 +93,8 @@ reduced="tests/test_merge.py
  tests/test_prefill.py::test_prefill_hooks_windows_and_splits[wgmma-3-True-window0-softcap+alibi+sinks]
  tests/test_prefill.py::test_nhd_chunks_on_both_flash_kernels[wgmma-128-4-bf16-16]
  tests/test_prefill.py::test_nhd_chunks_on_both_flash_kernels[wgmma-256-2-f16-8]
+ tests/test_prefill.py::test_vllm_chunks_on_both_flash_kernels[wgmma-128-4-bf16-16]
+ tests/test_prefill.py::test_vllm_chunks_on_both_flash_kernels[wgmma-256-2-f16-32]
  tests/test_prefill.py::test_few_token_form_layouts_and_splits[5-vllm-8]
  tests/test_prefill.py::test_few_token_form_layouts_and_splits[1-nhd-1]
  tests/test_prefill.py::test_few_token_form_hooks_and_windows[4-False-window3-softcap+alibi+sinks]

@@ -73,9 +73,12 @@ def test_tma_forms_take_the_tensor_maps():
     from cuda.bindings import driver as d
     assert _tma.DATA_TYPE == {"f16": d.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
                               "bf16": d.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16}
-    assert (_tma.INTERLEAVE_NONE, _tma.SWIZZLE_128B, _tma.L2_PROMOTION_256B,
+    swizzles = d.CUtensorMapSwizzle
+    assert (_tma.SWIZZLE_NONE, _tma.SWIZZLE_32B, _tma.SWIZZLE_128B) == (
+        swizzles.CU_TENSOR_MAP_SWIZZLE_NONE, swizzles.CU_TENSOR_MAP_SWIZZLE_32B,
+        swizzles.CU_TENSOR_MAP_SWIZZLE_128B)
+    assert (_tma.INTERLEAVE_NONE, _tma.L2_PROMOTION_256B,
             _tma.OOB_FILL_ZERO) == (d.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
-                                    d.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
                                     d.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                                     d.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
 
@@ -96,6 +99,39 @@ def test_tensor_map_rule_and_dims():
     assert not _tma.fits(np.zeros((2, 9, 4, 64), np.float16)[:, ::-1])     # negative stride
     assert not _tma.fits(np.broadcast_to(np.zeros((1, 9, 4, 64), np.float16), (3, 9, 4, 64)))
     assert _tma.fits(np.broadcast_to(np.zeros((1, 9, 4, 64), np.float16), (1, 9, 4, 64)))
+
+
+def test_vllm_tensor_maps():
+    """vLLM's paged K (num_blocks, kvh, hd / 8, block, 8) and V (num_blocks, kvh, hd, block)
+    as 5-d maps: K's dims (8 tokens x 8 columns, chunk, token group, KV head, cache block)
+    with the chunk's stride before the group's, no swizzle; V's (16 tokens, dim, 16-token
+    group, KV head, cache block) with 32-byte swizzle, or for blocks of 8 (8 dims x 8 tokens,
+    8-dim group, 1, KV head, cache block) without; boxes of the compiled head dim and a cache
+    block's tokens (V: at most 16). A K cache whose tokens are not 16 bytes apart is not
+    described (_fits_vllm)."""
+    import numpy as np
+    from cuattn import _tma
+    k = np.zeros((10, 2, 112 // 8, 32, 8), np.float16)
+    v = np.zeros((10, 2, 112, 32), np.float16)
+    tk, tv = _tma._Tensor.vllm_k(k, 32, 128), _tma._Tensor.vllm_v(v, 16, 128)
+    assert tk.dims == (64, 14, 4, 2, 10) and tk.box == (64, 16, 4, 1, 1)
+    assert tk.strides == (32 * 16, 128, 14 * 32 * 16, 2 * 14 * 32 * 16)
+    assert tk.swizzle == _tma.SWIZZLE_NONE
+    assert tv.dims == (16, 112, 2, 2, 10) and tv.box == (16, 128, 1, 1, 1)
+    assert tv.strides == (32 * 2, 32, 112 * 32 * 2, 2 * 112 * 32 * 2)
+    assert tv.swizzle == _tma.SWIZZLE_32B
+    v8 = np.zeros((10, 2, 112, 8), np.float16)
+    t8 = _tma._Tensor.vllm_v(v8, 8, 128)
+    assert t8.dims == (64, 14, 1, 2, 10) and t8.box == (64, 16, 1, 1, 1)
+    assert t8.strides == (128, 16, 112 * 8 * 2, 2 * 112 * 8 * 2)
+    assert t8.swizzle == _tma.SWIZZLE_NONE
+    assert _tma._Tensor.vllm_k(k[:, :1], 8, 128).strides[2] == 16    # one KV head: never stepped
+    assert _tma._fits_vllm(k, v)
+    wide = np.zeros((10, 2, 14, 32, 16), np.float16)[..., :8]          # tokens 32 bytes apart
+    assert not _tma._fits_vllm(wide, v)
+    # the tensor maps' V box and the kernel's rule (v_box_rows) agree
+    assert "VLLM_V_BOX = 16;" in (ROOT / "cuda_src" / "flash_fwd_sm90.cuh").read_text()
+    assert _tma.VLLM_V_BOX == 16
 
 
 def test_tiles_fit_shared_memory_and_the_heavy_rule():

@@ -1257,7 +1257,7 @@ def kernels_prefill(p, arch):
         if hopper:     # (the caches' strides a map takes)
             return tuning.flash_sm90_variant(p["dtype"], p["hs"], mask=mask, split=split,
                                              features=features, tma=True, seqlen_q=max_sq,
-                                             paged=True)
+                                             kv=kv)
         return tuning.paged_prefill_variant(p["dtype"], p["hs"], mask=mask, split=split,
                                             arch=arch, kv=kv, features=features,
                                             rows=max_sq * p["gqa"])

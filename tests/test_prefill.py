@@ -102,30 +102,34 @@ def _few_token_forms():
 
 
 @pytest.mark.slow
-def test_hopper_paged_forms_compile_for_sm90a_without_spills():
-    """The Hopper kernel's paged (NHD, TMA) forms long chunks reach: every mask, split or
-    not, plain and every hook, at the head dims of its tile table."""
+@pytest.mark.parametrize("kv,name", [(KV_PAGED_NHD, "_nhd"), (KV_PAGED_VLLM, "_vllm")])
+def test_hopper_paged_forms_compile_for_sm90a_without_spills(kv, name):
+    """The Hopper kernel's paged (TMA) forms long chunks reach, for each layout: every mask,
+    split or not, plain and every hook, at the head dims of its tile table."""
     forms = [tuning.flash_sm90_variant("bf16", hd, mask=mask, split=split, features=f,
-                                       tma=True, seqlen_q=2048, paged=True)
+                                       tma=True, seqlen_q=2048, kv=kv)
              for hd in sorted(tuning.FLASH_SM90_TILES)
              for mask, split in ((MASK_NONE, False), (MASK_CAUSAL, False), (MASK_WINDOW, False),
                                  (MASK_CAUSAL, True), (MASK_WINDOW, True))
              for f in (0, ALL_HOOKS)]
     forms += [tuning.flash_sm90_variant("bf16", 64, mask=MASK_CAUSAL, split=False, tma=True,
-                                        seqlen_q=64, paged=True)]     # short causal tiles
+                                        seqlen_q=64, kv=kv)]     # short causal tiles
     forms = list(dict.fromkeys(forms))
-    assert all(v.kv == KV_PAGED_NHD and "_nhd" in v.name for v in forms)
+    assert all(v.kv == kv and name in v.name for v in forms)
     assert unclean(compile_reports(forms, "sm_90")) == []
 
 
 def test_hopper_paged_prefill_rule():
-    """Long chunks over NHD caches of 16-bit blocks of >= 8 tokens take the Hopper kernel on
-    sm_90 (its boxes stay inside one cache block and start on the swizzle period); vLLM's
-    layout, fp8, smaller blocks and other GPUs keep the mma.sync kernel."""
+    """Long chunks over 16-bit caches of blocks of >= 8 tokens, in either layout, take the
+    Hopper kernel on sm_90 (its boxes stay inside one cache block and hold whole core
+    matrices or swizzle periods); fp8, smaller NHD blocks and other GPUs keep the mma.sync
+    kernel."""
     assert tuning.paged_prefill_path("sm_90", 128, "nhd", 16, "bf16") == "wgmma"
     assert tuning.paged_prefill_path("sm_90", 80, "nhd", 8, "f16") == "wgmma"
     assert tuning.paged_prefill_path("sm_90", 128, "nhd", 4, "bf16") == "mma"
-    assert tuning.paged_prefill_path("sm_90", 128, "vllm", 16, "bf16") == "mma"
+    for bs in (8, 16, 32):
+        assert tuning.paged_prefill_path("sm_90", 112, "vllm", bs, "f16") == "wgmma"
+    assert tuning.paged_prefill_path("sm_90", 128, "vllm", 16, "e4m3") == "mma"
     assert tuning.paged_prefill_path("sm_90", 128, "nhd", 16, "e4m3") == "mma"
     assert tuning.paged_prefill_path("sm_80", 128, "nhd", 16, "bf16") == "mma"
     with tuning.override(flash_path="mma"):
@@ -484,27 +488,63 @@ HOPPER_CTX = [700, 5, 128, 999, 1, 300]
 HOPPER_Q = [700, 5, 0, 77, 1, 129]
 
 
+def _chunks_on_both_flash_kernels(rng, layout, block_size, head_size, group, dtype, path):
+    b = make_batch(rng, contexts=HOPPER_CTX, q_lens=HOPPER_Q, nkv=2, group=group,
+                   head_size=head_size, block_size=block_size, dtype=dtype, layout=layout)
+    scale = 1 / math.sqrt(head_size)
+    with forced_flash_path(path):
+        for causal, window, num_splits in ((True, (-1, -1), 0), (False, (-1, -1), 1),
+                                           (True, (200, 0), 3)):
+            out, lse = run_prefill(b, kv_layout=layout, causal=causal, window_size=window,
+                                   num_splits=num_splits)
+            assert runs_on_hopper() == (path == "wgmma")
+            check(out, lse, *batch_reference(b, scale, causal=causal, window=window), dtype)
+
+
+HOPPER_SHAPES = [(64, 4, "f16"), (80, 2, "bf16"), (128, 4, "bf16"), (192, 1, "bf16"),
+                 (256, 2, "f16")]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("block_size", [8, 16, 64, 256])
-@pytest.mark.parametrize("head_size,group,dtype", [(64, 4, "f16"), (80, 2, "bf16"),
-                                                   (128, 4, "bf16"), (192, 1, "bf16"),
-                                                   (256, 2, "f16")])
+@pytest.mark.parametrize("head_size,group,dtype", HOPPER_SHAPES)
 @pytest.mark.parametrize("path", FLASH_PATHS)
 def test_nhd_chunks_on_both_flash_kernels(rng, block_size, head_size, group, dtype, path):
     """Chunked prefill over NHD caches on each flash kernel: on the Hopper kernel its TMA
     producer's box per cache block (8 to 256 tokens, BLOCK_N 48 to 128), V tiles crossing a
     sequence's end copied with zero fill (NaN in every slot past it), causal, full and a
     window, split and not."""
-    b = make_batch(rng, contexts=HOPPER_CTX, q_lens=HOPPER_Q, nkv=2, group=group,
-                   head_size=head_size, block_size=block_size, dtype=dtype, layout="nhd")
-    scale = 1 / math.sqrt(head_size)
-    with forced_flash_path(path):
-        for causal, window, num_splits in ((True, (-1, -1), 0), (False, (-1, -1), 1),
-                                           (True, (200, 0), 3)):
-            out, lse = run_prefill(b, kv_layout="nhd", causal=causal, window_size=window,
-                                   num_splits=num_splits)
-            assert runs_on_hopper() == (path == "wgmma")
-            check(out, lse, *batch_reference(b, scale, causal=causal, window=window), dtype)
+    _chunks_on_both_flash_kernels(rng, "nhd", block_size, head_size, group, dtype, path)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("head_size,group,dtype", HOPPER_SHAPES)
+@pytest.mark.parametrize("path", FLASH_PATHS)
+def test_vllm_chunks_on_both_flash_kernels(rng, block_size, head_size, group, dtype, path):
+    """The same over vLLM's layout: on the Hopper kernel a 5-d box per cache block (K's
+    16-byte chunks and V's rows of keys landing as no-swizzle core matrices; blocks of 8, 16
+    and 32 tokens, boxes of 16 at BLOCK_N 80 / 48), the V edge copy zero-filling the keys of
+    a chunk past the sequence's end, head sizes short of the compiled one (80, 192 of 256)."""
+    _chunks_on_both_flash_kernels(rng, "vllm", block_size, head_size, group, dtype, path)
+
+
+@pytest.mark.gpu
+def test_vllm_cache_a_map_cannot_describe_runs_on_mma_sync(rng):
+    """A vLLM K cache viewed so that its tokens are not 16 bytes apart (no 128-byte run of a
+    chunk's 8 tokens for a box) takes the mma.sync kernel, and is read right."""
+    import cupy as cp
+    b = make_batch(rng, contexts=[300, 45], q_lens=[300, 9], nkv=2, group=2, head_size=64,
+                   block_size=16, dtype="bf16", layout="vllm")
+    d = on_device(b, {})
+    wide = cp.full(d["k_cache"].shape[:4] + (16,), np.nan, d["k_cache"].dtype)
+    wide[..., :8] = d["k_cache"]
+    out = cp.full(b["q"].shape, np.nan, dtype=b["q"].dtype)
+    _, lse = cuattn.paged_prefill(d["q"], wide[..., :8], d["v_cache"], d["block_tables"],
+                                  d["seq_lens"], d["cu_seqlens_q"], b["max_seqlen_q"],
+                                  return_lse=True, out=out)
+    assert not runs_on_hopper()
+    check(out, lse, *batch_reference(b, 1 / 8, causal=True), "bf16")
 
 
 @pytest.mark.gpu

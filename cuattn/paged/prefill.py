@@ -6,10 +6,10 @@ for all the query heads of its KV head and all the new tokens of its sequence:
 - a few new tokens per sequence (speculative verification): multi-token decode, the
   tensor-core decode kernel (cuda_src/paged_attention_mma.cuh) with the tokens x heads of
   a sequence as the MMA's columns, through paged_attention's v1 / v2 launches;
-- otherwise a flash forward: on Hopper, for NHD caches of 16-bit blocks of >= 8 tokens
-  (tuning.paged_prefill_path), the Hopper kernel (cuda_src/flash_fwd_sm90.cuh), whose TMA
-  producer takes K / V a cache block at a time (a query head per block, as for dense
-  calls); else the mma.sync kernel (cuda_src/flash_fwd.cuh) with its paged K/V source and
+- otherwise a flash forward: on Hopper, for 16-bit caches of blocks of >= 8 tokens in
+  either layout (tuning.paged_prefill_path), the Hopper kernel (cuda_src/flash_fwd_sm90.cuh),
+  whose TMA producer takes K / V a cache block at a time (a query head per block, as for
+  dense calls); else the mma.sync kernel (cuda_src/flash_fwd.cuh) with its paged K/V source and
   the query heads of one KV head packed into a block's rows (cuattn.tuning.paged_prefill_tiles
   picks the tiles).
 Calls go through cuattn._launch: the checks below run once per call signature; values
@@ -142,13 +142,13 @@ def _plan(arrays, max_seqlen_q, causal, softmax_scale, window_size, softcap, k_s
     arch = device_info(device_id).arch
     hopper = tuning.paged_prefill_path(arch, head_size, kv_layout, info.block_size,
                                        info.cache) == "wgmma" and \
-        _tma.encodable(dtype.short, (q, k_cache, v_cache))
+        _tma.encodable(dtype.short, (q, k_cache, v_cache), kv_layout)
 
     def variant_for(split: bool, mask: int):
         if hopper:
             return tuning.flash_sm90_variant(dtype.short, head_size, mask=mask, split=split,
                                              features=features, tma=True,
-                                             seqlen_q=max_seqlen_q, paged=True)
+                                             seqlen_q=max_seqlen_q, kv=kv)
         return tuning.paged_prefill_variant(dtype.short, head_size, mask=mask, split=split,
                                             arch=arch, kv=kv, features=features,
                                             rows=max_seqlen_q * group, fp8=fp8)

@@ -1,8 +1,9 @@
-// Hopper (sm_90a) warpgroup plumbing: shared-memory matrix descriptors for 128-byte-
-// swizzled tiles, the wgmma fence / commit / wait, mbarriers (the producer / consumer
-// pipeline), TMA tensor copies, setmaxnreg and named barriers. The instructions are wrapped by
-// common/wgmma_ops.cuh; layouts follow the PTX ISA ("Matrix Descriptor Format", "Shared
-// Memory Matrix Layout"), as CUTLASS's GmmaDescriptor and fast.cu encode them.
+// Hopper (sm_90a) warpgroup plumbing: shared-memory matrix descriptors (128-byte-swizzled
+// tiles, 32-byte-swizzled rows, no-swizzle core matrices), the wgmma fence / commit / wait,
+// mbarriers (the producer / consumer pipeline), TMA tensor copies, setmaxnreg and named
+// barriers. The instructions are wrapped by common/wgmma_ops.cuh; layouts follow the PTX ISA
+// ("Matrix Descriptor Format", "Shared Memory Matrix Layout"), as CUTLASS's GmmaDescriptor
+// and fast.cu encode them.
 #pragma once
 #include "wgmma_ops.cuh"
 
@@ -30,6 +31,22 @@ __device__ __forceinline__ u64 sw128_desc(u32 addr, u32 lbo_bytes = 16) {
          ((u64)(1024 >> 4) << 32) | (1ull << 62);
 }
 
+// Descriptor of a K-major operand without swizzle (layout type 0) at `addr`: 8-row x 16-byte
+// core matrices of 128 contiguous bytes, `lbo_bytes` apart along K (the next 8 columns) and
+// `sbo_bytes` apart along M / N (the next 8 rows); the tile of vLLM's paged K and V
+// (flash_fwd_sm90.cuh).
+__device__ __forceinline__ u64 plain_desc(u32 addr, u32 lbo_bytes, u32 sbo_bytes) {
+  return (u64)((addr & 0x3FFFF) >> 4) | ((u64)(lbo_bytes >> 4) << 16) |
+         ((u64)(sbo_bytes >> 4) << 32);
+}
+
+// Descriptor of a K-major operand of 32-byte-swizzled rows (layout type 3): rows of 16
+// 16-bit K columns (one k16 step), 8-row groups 256 bytes apart (SBO); LBO unused (1).
+// The tile of vLLM's paged V, blocks of 16 keys and more (flash_fwd_sm90.cuh).
+__device__ __forceinline__ u64 sw32_desc(u32 addr) {
+  return (u64)((addr & 0x3FFFF) >> 4) | (1ull << 16) | ((u64)(256 >> 4) << 32) | (3ull << 62);
+}
+
 // The descriptor of the operand `bytes` (a multiple of 16) past desc's: its start field is
 // the address / 16 in 14 bits, which every shared address fits, so the sum never carries.
 __device__ __forceinline__ u64 desc_advance(u64 desc, u32 bytes) { return desc + (bytes >> 4); }
@@ -40,6 +57,14 @@ __device__ __forceinline__ int thread_index_now() {
   int tid;
   asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(tid));
   return tid;
+}
+
+// x as this point of the program has it (asm volatile: the compiler neither hoists the
+// value's computation out of a loop nor keeps it live from an earlier one), for a
+// parameter a thread with few registers should re-read where used rather than hold.
+__device__ __forceinline__ int value_now(int x) {
+  asm volatile("" : "+r"(x));
+  return x;
 }
 
 // ---- ordering --------------------------------------------------------------------------------
@@ -126,6 +151,17 @@ __device__ __forceinline__ void tma_load_4d(u32 dst, const TmaDescriptor& map, u
       " [%0], [%1, {%3, %4, %5, %6}], [%2];\n"
       :: "r"(dst), "l"(reinterpret_cast<u64>(&map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2),
          "r"(c3)
+      : "memory");
+}
+
+// The same for a 5-d tensor map.
+__device__ __forceinline__ void tma_load_5d(u32 dst, const TmaDescriptor& map, u32 bar, int c0,
+                                            int c1, int c2, int c3, int c4) {
+  asm volatile(
+      "cp.async.bulk.tensor.5d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%3, %4, %5, %6, %7}], [%2];\n"
+      :: "r"(dst), "l"(reinterpret_cast<u64>(&map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2),
+         "r"(c3), "r"(c4)
       : "memory");
 }
 
