@@ -101,16 +101,22 @@ def _few_token_forms():
     return list(dict.fromkeys(out))
 
 
+# The masks of the paged forms compiled below: every one for NHD; for vLLM's layout, whose
+# forms differ from NHD's only in the producer's boxes, its edge copy and the K / V
+# descriptors, the lightest and the heaviest.
+_PAGED_MASKS = {KV_PAGED_NHD: ((MASK_NONE, False), (MASK_CAUSAL, False), (MASK_WINDOW, False),
+                               (MASK_CAUSAL, True), (MASK_WINDOW, True)),
+                KV_PAGED_VLLM: ((MASK_CAUSAL, False), (MASK_WINDOW, True))}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kv,name", [(KV_PAGED_NHD, "_nhd"), (KV_PAGED_VLLM, "_vllm")])
 def test_hopper_paged_forms_compile_for_sm90a_without_spills(kv, name):
-    """The Hopper kernel's paged (TMA) forms long chunks reach, for each layout: every mask,
-    split or not, plain and every hook, at the head dims of its tile table."""
+    """The Hopper kernel's paged (TMA) forms long chunks reach, for each layout: its masks
+    (_PAGED_MASKS), plain and every hook, at the head dims of its tile table."""
     forms = [tuning.flash_sm90_variant("bf16", hd, mask=mask, split=split, features=f,
                                        tma=True, seqlen_q=2048, kv=kv)
-             for hd in sorted(tuning.FLASH_SM90_TILES)
-             for mask, split in ((MASK_NONE, False), (MASK_CAUSAL, False), (MASK_WINDOW, False),
-                                 (MASK_CAUSAL, True), (MASK_WINDOW, True))
+             for hd in sorted(tuning.FLASH_SM90_TILES) for mask, split in _PAGED_MASKS[kv]
              for f in (0, ALL_HOOKS)]
     forms += [tuning.flash_sm90_variant("bf16", 64, mask=MASK_CAUSAL, split=False, tma=True,
                                         seqlen_q=64, kv=kv)]     # short causal tiles
@@ -768,3 +774,36 @@ def test_decode_hooks_windows_and_layouts(rng, layout, block_size, form, which, 
             for s in range(len(contexts))]
     check(out, lse, np.concatenate([r[0] for r in refs]),
           np.concatenate([r[1] for r in refs], axis=1), "bf16")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache,head_size,block_size", [("e4m3", 128, 16), ("e4m3", 64, 1),
+                                                        ("bf16", 120, 256), ("e4m3", 80, 8)])
+@pytest.mark.parametrize("which", ["", "softcap+alibi+sinks"])
+@pytest.mark.parametrize("version", ["v1", "v2", "auto"])
+@pytest.mark.parametrize("window", [(-1, -1), (300, 0)])
+def test_decode_nhd_on_the_flash_form(rng, cache, head_size, block_size, which, version,
+                                      window):
+    """paged_attention over NHD caches the tensor-core form cannot take (fp8, head size 120)
+    runs on the flash form, one query per sequence: an empty sequence, one of one key, long
+    ones; v1 (one pass) and v2 / auto (split-KV), the hooks and a window."""
+    contexts = [1, 700, 0, 2049, 17]
+    scales = (0.05, 0.02) if cache == "e4m3" else None
+    b = make_batch(rng, contexts=contexts, q_lens=[1] * len(contexts), nkv=2, group=4,
+                   head_size=head_size, block_size=block_size, dtype="bf16", layout="nhd",
+                   fp8_scales=scales)
+    kw = hook_values(rng, 8, which)
+    if scales:
+        kw.update(k_scale=scales[0], v_scale=scales[1])
+    out, lse = run_decode(b, kv_layout="nhd", window_size=window, version=version, **kw)
+    from cuattn.paged import attention
+    from cuattn.variants import FLASH_PARAMS
+    assert list(attention._plans.values())[-1].launches[0].dtype == FLASH_PARAMS.dtype
+    scale = 1 / math.sqrt(head_size)
+    refs = [attention_reference(b["q"][s:s + 1], b["ks"][s], b["vs"][s], scale, causal=True,
+                                window=window, **_ref_kw(kw)) for s in range(len(contexts))]
+    ref_lse = np.concatenate([r[1] for r in refs], axis=1)
+    check(out, lse, np.concatenate([r[0] for r in refs]), ref_lse, "bf16")
+    # the empty sequence: zeros, lse -inf (with sinks the sink's logit alone, as the reference)
+    assert not np.isnan(out.get()[2].astype(np.float32)).any()
+    assert "sinks" in kw or np.isneginf(lse.get()[:, 2]).all()

@@ -46,7 +46,10 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, *, softmax_scal
     softcap, sinks: cuattn._hooks. window_size = (left, right): the query (position
         seq_len - 1) sees keys j >= seq_len - 1 - left (-1: unbounded; right is moot).
     kv_layout: "vllm" (above) or "nhd" (K and V (num_blocks, block_size, nheads_kv,
-        head_size), 16-bit caches and head sizes that are multiples of 16).
+        head_size)). NHD caches of fp8 or of a head size not a multiple of 16 run on the
+        flash form (paged_prefill's kernel, one query per sequence; q and out then need
+        16-byte alignment), where version "v1" is one pass over the keys, "v2" and "auto"
+        the split-KV rule's choice, and partition_size is not used.
     version: "v1", "v2" or "auto"; partition_size: v2's tokens per thread block, one of
         128 / 256 / 512 / 1024, or None: the tuning rule's choice (cuattn.tuning).
     Returns out (like q), or (out, lse) with lse float32 (nheads, num_seqs), natural log,
@@ -103,10 +106,6 @@ def _plan(arrays, softmax_scale, k_scale, v_scale, softcap, window_size, kv_layo
     A.check_last_dim_contiguous(q, "q")
     kv_layout = check_layout(kv_layout)
     info = check_caches(k_cache, v_cache, dtype, head_size, kv_layout)
-    if kv_layout == "nhd" and (info.cache == "e4m3" or head_size % 16):
-        raise TypeError(f"k_cache: kv_layout 'nhd' runs on the tensor-core form: 16-bit caches "
-                        f"and head sizes that are multiples of 16 (got {info.cache}, "
-                        f"head_size {head_size})")
     if num_heads == 0:
         raise ValueError(f"q: expected at least one head, got shape {tuple(q.shape)}")
     if info.num_kv_heads == 0 or num_heads % info.num_kv_heads:
@@ -130,8 +129,24 @@ def _plan(arrays, softmax_scale, k_scale, v_scale, softcap, window_size, kv_layo
     device_id = q.device.id
     A.check_same_device({"k_cache": k_cache, "v_cache": v_cache, "block_tables": block_tables,
                          "seq_lens": seq_lens}, device_id)
-    if out is not None:             # element stores: no vector alignment needed
-        A.check_output(out, q.shape, q.dtype, "out", _Q_DOC, device_id)
+    # NHD caches the tensor-core form cannot take (fp8, head sizes not multiples of 16) run on
+    # the flash form, whose kernel loads and stores 16-byte vectors of q and out
+    flash_form = kv_layout == "nhd" and (info.cache == "e4m3" or head_size % 16 != 0)
+    if flash_form:
+        A.check_aligned(q, 16, "q")
+        if block_tables.shape[1] * info.block_size >= 2**29:    # (the flash kernel's keys)
+            raise ValueError(f"block_tables: max_blocks_per_seq * block_size = "
+                             f"{block_tables.shape[1] * info.block_size} must be < 2**29")
+    if out is not None:             # (the decode kernels' element stores need no alignment)
+        A.check_output(out, q.shape, q.dtype, "out", _Q_DOC, device_id,
+                       align=16 if flash_form else 0)
+    if flash_form:
+        from .prefill import flash_form_plan     # (prefill imports this module)
+        return flash_form_plan(
+            q, k_cache, v_cache, block_tables, info, kv_layout, dtype=dtype, features=features,
+            softcap=softcap, softmax_scale=softmax_scale, left=A.check_window(window_size)[0],
+            right=0, num_splits=1 if version == "v1" else 0, k_scale=k_scale, v_scale=v_scale,
+            out=out, return_lse=bool(return_lse), num_args=len(arrays), decode=True)
 
     gqa = num_heads // info.num_kv_heads
     group = tuning.paged_group(gqa)

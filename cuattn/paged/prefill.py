@@ -119,10 +119,40 @@ def _plan(arrays, max_seqlen_q, causal, softmax_scale, window_size, softcap, k_s
                             lse_shape=(nheads, total_q) if return_lse else None, out=out,
                             num_args=len(arrays), kv_layout=kv_layout)
 
+    return flash_form_plan(q, k_cache, v_cache, block_tables, info, kv_layout, dtype=dtype,
+                           features=features, softcap=softcap, softmax_scale=softmax_scale,
+                           left=left, right=right, num_splits=num_splits, k_scale=k_scale,
+                           v_scale=v_scale, out=out, return_lse=return_lse,
+                           num_args=len(arrays), max_seqlen_q=max_seqlen_q, causal=causal)
+
+
+def flash_form_plan(q, k_cache, v_cache, block_tables, info, kv_layout, *, dtype, features,
+                    softcap, softmax_scale, left, right, num_splits, k_scale, v_scale, out,
+                    return_lse, num_args, max_seqlen_q=1, causal=True, decode=False) -> Plan:
+    """The flash form of a checked call: flash's _plan over a paged Call. paged_prefill's
+    (arguments q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, alibi_slopes, sinks,
+    out): the packed rows of cu_seqlens_q, max_seqlen_q the longest. decode (paged_attention's
+    NHD calls the tensor-core form cannot take; arguments q .. seq_lens, alibi_slopes, sinks,
+    out): one query per sequence, q (num_seqs, nheads, head_size) read as num_seqs batches of
+    one row, no cu_seqlens_q, on the mma.sync kernel (the Hopper kernel's paged producer
+    takes packed rows)."""
+    total_q, nheads, _ = q.shape
+    num_seqs = block_tables.shape[0]
+    head_size = info.head_size
+    fp8 = info.cache == "e4m3"
     os_ = A.element_strides_or_contiguous(out, q.shape)
     qs = A.element_strides(q)
     lse_shape = (nheads, total_q)
     ls = A.element_strides_or_contiguous(None, lse_shape) if return_lse else (0, 0)
+    if decode:    # batch b = sequence b, its row 0
+        rows = dict(q_stride_batch=qs[0], q_stride_row=qs[0], o_stride_batch=os_[0],
+                    o_stride_row=os_[0], lse_stride_batch=ls[1], lse_stride_row=0, seqlen_q=1)
+        args = dict(q=0, k=1, v=2, block_tables=3, seqused_k=4, alibi_slopes=5, sinks=6)
+    else:
+        rows = dict(q_stride_batch=0, q_stride_row=qs[0], o_stride_batch=0, o_stride_row=os_[0],
+                    lse_stride_batch=0, lse_stride_row=ls[1], seqlen_q=max(total_q, 1))
+        args = dict(q=0, k=1, v=2, block_tables=3, seqused_k=4, cu_seqlens_q=5, alibi_slopes=6,
+                    sinks=7)
     # The caches' strides (layout.CacheInfo.strides) under FlashFwdParams' names: a token's
     # slot is its K / V "row", a 16-byte vector of K its "chunk".
     s = info.strides(k_cache, v_cache)
@@ -131,18 +161,18 @@ def _plan(arrays, max_seqlen_q, causal, softmax_scale, window_size, softcap, k_s
                  v_stride_block=s["v_stride_block"], v_stride_head=s["v_stride_head"],
                  v_stride_row=s["v_stride_token"], v_stride_dim=s["v_stride_dim"])
     kv = KV_PAGED_NHD if kv_layout == "nhd" else KV_PAGED_VLLM
+    max_blocks = block_tables.shape[1]
     fields = dict(
-        q_stride_batch=0, q_stride_row=qs[0], q_stride_head=qs[1], k_stride_batch=0,
-        v_stride_batch=0, o_stride_batch=0, o_stride_row=os_[0], o_stride_head=os_[1],
-        lse_stride_batch=0, lse_stride_head=ls[0], lse_stride_row=ls[1],
-        bt_stride_seq=block_tables.strides[0] // 4, block_shift=info.block_size.bit_length() - 1,
-        max_blocks_per_seq=max_blocks, seqlen_q=max(total_q, 1), seqlen_k=0, k_scale=k_scale,
-        v_scale=v_scale, **cache)
+        **rows, q_stride_head=qs[1], k_stride_batch=0, v_stride_batch=0, o_stride_head=os_[1],
+        lse_stride_head=ls[0], bt_stride_seq=block_tables.strides[0] // 4,
+        block_shift=info.block_size.bit_length() - 1, max_blocks_per_seq=max_blocks,
+        seqlen_k=0, k_scale=k_scale, v_scale=v_scale, **cache)
     group = nheads // info.num_kv_heads
+    device_id = q.device.id
     arch = device_info(device_id).arch
-    hopper = tuning.paged_prefill_path(arch, head_size, kv_layout, info.block_size,
-                                       info.cache) == "wgmma" and \
-        _tma.encodable(dtype.short, (q, k_cache, v_cache), kv_layout)
+    hopper = not decode and tuning.paged_prefill_path(arch, head_size, kv_layout,
+                                                      info.block_size, info.cache) == "wgmma" \
+        and _tma.encodable(dtype.short, (q, k_cache, v_cache), kv_layout)
 
     def variant_for(split: bool, mask: int):
         if hopper:
@@ -154,13 +184,11 @@ def _plan(arrays, max_seqlen_q, causal, softmax_scale, window_size, softcap, k_s
                                             rows=max_seqlen_q * group, fp8=fp8)
     return flash_plan(Call(
         device_id=device_id, dtype=dtype, q=q, nheads_kv=info.num_kv_heads, out=out,
-        lse_shape=lse_shape if return_lse else None, num_args=len(arrays), out_arg=8,
-        args=dict(q=0, k=1, v=2, block_tables=3, seqused_k=4, cu_seqlens_q=5, alibi_slopes=6,
-                  sinks=7),
-        causal=bool(causal), softmax_scale=softmax_scale, left=left, right=right,
+        lse_shape=lse_shape if return_lse else None, num_args=num_args, out_arg=num_args - 1,
+        args=args, causal=bool(causal), softmax_scale=softmax_scale, left=left, right=right,
         num_splits=num_splits, features=features, softcap=softcap, batch=num_seqs,
-        max_sq=max_seqlen_q, max_sk=max_context, total_q=total_q, fields=fields,
-        variant_for=variant_for, pack=1 if hopper else group,
+        max_sq=max_seqlen_q, max_sk=max_blocks * info.block_size, total_q=total_q,
+        fields=fields, variant_for=variant_for, pack=1 if hopper else group,
         qkv=(q, k_cache, v_cache) if hopper else None))
 
 
