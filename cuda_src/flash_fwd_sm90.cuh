@@ -1,7 +1,8 @@
 // FlashAttention forward on Hopper's warpgroup MMA (sm_90a): the algorithm of flash_fwd.cuh
 // (Dao 2023) in FlashAttention-3's form (Shah et al. 2024): S = Q K^T and O += P V on
 // wgmma.mma_async (Q and K from 128-byte-swizzled shared memory by descriptor, P from
-// registers as the A operand, V read transposed by its descriptor), warp-specialized: a
+// registers as the A operand, V read transposed by its descriptor; vLLM's paged K and V in
+// the layouts their boxes land, Traits' shared memory), warp-specialized: a
 // producer warpgroup loads Q and the K / V tiles into STAGES-deep rings guarded by
 // mbarriers (by TMA, paged caches a box per cache block; a varlen V tile crossing its
 // sequence's end and arrays a tensor map cannot describe by cp.async), and 1-3 consumer
