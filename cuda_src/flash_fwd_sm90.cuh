@@ -1,21 +1,20 @@
 // FlashAttention forward on Hopper's warpgroup MMA (sm_90a): the algorithm of flash_fwd.cuh
 // (Dao 2023) in FlashAttention-3's form (Shah et al. 2024): S = Q K^T and O += P V on
 // wgmma.mma_async (Q and K from 128-byte-swizzled shared memory by descriptor, P from
-// registers as the A operand, V read transposed by its descriptor; vLLM's paged K and V in
-// the layouts their boxes land, Traits' shared memory), warp-specialized: a
-// producer warpgroup loads Q and the K / V tiles into STAGES-deep rings guarded by
-// mbarriers (by TMA, paged caches a box per cache block; a varlen V tile crossing its
-// sequence's end and arrays a tensor map cannot describe by cp.async), and 1-3 consumer
-// warpgroups of 64 query rows each compute, with setmaxnreg moving registers from the
-// producer to them. Inside a consumer warpgroup
-// the softmax of tile n runs while O += P V of tile n-1 is in flight (intra-warpgroup
-// overlap). The grid is persistent (for_each_tile): each block walks several row tiles
-// (dense calls by a static stride, varlen ones taking tiles from a counter), and the
+// registers as the A operand, V read transposed by its descriptor; vLLM's paged K and V in the
+// layouts their boxes land, Traits' shared memory), warp-specialized: a producer warpgroup
+// loads Q and the K / V tiles into STAGES-deep rings guarded by mbarriers (by TMA, paged
+// caches a box per cache block; a varlen V tile crossing its sequence's end and arrays a
+// tensor map cannot describe by cp.async), and 1-3 consumer warpgroups of 64 query rows each
+// compute, with setmaxnreg moving registers from the producer to them. Inside a consumer
+// warpgroup the softmax of tile n runs while O += P V of tile n-1 is in flight
+// (intra-warpgroup overlap). The grid is persistent (for_each_tile): each block walks several
+// row tiles (dense calls by a static stride, varlen ones taking tiles from a counter), and the
 // producer loads the next one's K / V (and Q, where O has a tile of its own) under the last
 // steps and the epilogue of the current one. The consumers' accumulators have mma.sync's
-// fragment layout, so the online softmax, the mask, the logits hooks, the key-tile order
-// and the epilogues are flash_fwd.cuh's parts. (The cp.async producer's varlen calls keep
-// one block per row tile.)
+// fragment layout, so the online softmax, the mask, the logits hooks, the key-tile order and
+// the epilogues are flash_fwd.cuh's parts. (The cp.async producer's varlen calls keep one
+// block per row tile.)
 #pragma once
 #include "flash_fwd.cuh"
 #include "common/wgmma.cuh"
@@ -27,7 +26,7 @@ namespace cuattn {
 // they mean in FlashFwdTraits (kPackGqa excepted: one query head per block); TMA: the
 // producer loads by tensor map (FlashTmaMaps), else by cp.async; KV: dense K / V, or a paged
 // cache (paged_prefill: by TMA, a box per cache block), NHD (kKvPagedNhd) or vLLM's layout
-// (kKvPagedVllm, its K and V tiles in no-swizzle core matrices: Sm90Smem).
+// (kKvPagedVllm, its K and V tiles laid out as their boxes land them: Shared memory below).
 template <typename T_, int HEAD_DIM_, int BLOCK_M_, int BLOCK_N_, int STAGES_, bool TMA_,
           int MASK_, bool SPLIT_, int FEATURES_, int KV_>
 struct FlashFwdSm90Traits : FlashFeatures<FEATURES_> {
@@ -68,16 +67,17 @@ struct FlashFwdSm90Traits : FlashFeatures<FEATURES_> {
   static constexpr int Q_LOADS_PER_LANE = WARP_M * D_CHUNKS / 32;   // the output store
   static constexpr int STORE_UNROLL = Q_LOADS_PER_LANE;
 
-  // Shared memory (tiles 128-byte swizzled, common/wgmma.cuh): one 64-row Q tile per
-  // consumer warpgroup, the K ring, the V ring (tiles [key][dim]; VLLM's as its boxes land
-  // them: K [key / 8][16-byte chunk][key % 8], no-swizzle core matrices of 8 keys x 16 bytes;
-  // V [key / 16][dim][key % 16], 32-byte-swizzled rows, or for blocks of 8 [key / 8][dim]
-  // [key % 8], no-swizzle), the O tile where it fits, then the mbarriers: Q full / empty, K full / empty and V full / empty per stage. 1024 bytes of
-  // slack align the base to the swizzle's 1024-byte period. The epilogue stages O
-  // (as T) through shared memory for 16-byte stores: through a tile of its own where the
-  // block's 227 KB hold one (O_TILE), so that the next row tile's Q loads under it; else
-  // through the Q tiles (O_IN_Q: hd256), which are then released only after the epilogue.
-  // (SPLIT stores fp32 partials straight from the accumulators: neither.)
+  // Shared memory (tiles 128-byte swizzled, common/wgmma.cuh): one 64-row Q tile per consumer
+  // warpgroup, the K ring, the V ring (tiles [key][dim]; VLLM's as its boxes land them: K
+  // [key / 8][16-byte chunk][key % 8], no-swizzle core matrices of 8 keys x 16 bytes; V
+  // [key / 16][dim][key % 16], 32-byte-swizzled rows, or for blocks of 8
+  // [key / 8][dim][key % 8], no-swizzle), the O tile where it fits, then the mbarriers: Q
+  // full / empty, K full / empty and V full / empty per stage. 1024 bytes of slack align the
+  // base to the swizzle's 1024-byte period. The epilogue stages O (as T) through shared
+  // memory for 16-byte stores: through a tile of its own where the block's 227 KB hold one
+  // (O_TILE), so that the next row tile's Q loads under it; else through the Q tiles (O_IN_Q:
+  // hd256), which are then released only after the epilogue. (SPLIT stores fp32 partials
+  // straight from the accumulators: neither.)
   static constexpr int WG_Q_BYTES = 64 * HEAD_DIM * 2;
   static constexpr int Q_BYTES = BLOCK_M * HEAD_DIM * 2;
   static constexpr int KV_TILE_BYTES = BLOCK_N * HEAD_DIM * 2;
