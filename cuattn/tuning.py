@@ -425,7 +425,7 @@ def paged_prefill_path(arch: str, head_size: int, kv_layout: str, block_size: in
 def paged_prefill_form(cache: str, head_size: int, max_seqlen_q: int, total_q: int) -> str:
     """"decode" (multi-token decode) or "flash": the kernel paged_prefill runs. (The decode
     form's partition reduce has one grid row per query row: at most 65535.)"""
-    can_decode = (cache != "e4m3" and head_size % 16 == 0 and max_seqlen_q >= 1 and
+    can_decode = (tensor_core_decode_fits(cache, head_size) and max_seqlen_q >= 1 and
                   total_q <= 65535 and
                   _multi_tokens(max_seqlen_q) <= _multi_token_columns(head_size))
     forced = _overrides.get("prefill_form")
@@ -463,9 +463,15 @@ def paged_group(gqa_ratio: int, limit: int = PAGED_MAX_GROUP) -> int:
 # group 4: 32 x 4096 v2 p512 84 -> 92 (v1 66 -> 98), 8 x 32768 p512 87 -> 98, 1 x 32768
 # p1024 56 -> 66; and even group 1 (7 of 8 MMA columns idle): 32 x 4096 p512 104 -> 109,
 # 1 x 32768 p1024 92 -> 94. So every group.
+def tensor_core_decode_fits(cache_dtype: str, head_size: int) -> bool:
+    """Whether the tensor-core decode kernel (paged_attention's mma form, multi-token decode)
+    takes this cache and head size: 16-bit caches, head sizes that are multiples of 16."""
+    return cache_dtype != "e4m3" and head_size % 16 == 0
+
+
 def paged_form(cache_dtype: str, head_size: int, group: int) -> str:
     """"mma" or "simt": the form paged_attention runs for this cache, head size and group."""
-    can_mma = cache_dtype != "e4m3" and head_size % 16 == 0
+    can_mma = tensor_core_decode_fits(cache_dtype, head_size)
     forced = _overrides.get("paged_form")
     if forced is not None:
         return "mma" if forced == "mma" and can_mma else "simt"

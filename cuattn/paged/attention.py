@@ -21,7 +21,8 @@ from .._launch import NULL, Launch, Plan, execute, plan_cache, plan_for, returns
 from ..jit import get_kernel
 from ..variants import FEAT_ALIBI, FEAT_SINKS, FEAT_SOFTCAP, PAGED_PARAMS, PAGED_REDUCE_PARAMS
 from .forms import form_for
-from .layout import HEAD_SIZES, check_caches, check_layout, check_scale, check_tables
+from .layout import (HEAD_SIZES, check_caches, check_flash_context, check_layout, check_scale,
+                     check_tables)
 
 _plans = plan_cache()
 _NAMES = ("q", "k_cache", "v_cache", "block_tables", "seq_lens", "alibi_slopes", "sinks", "out")
@@ -131,12 +132,10 @@ def _plan(arrays, softmax_scale, k_scale, v_scale, softcap, window_size, kv_layo
                          "seq_lens": seq_lens}, device_id)
     # NHD caches the tensor-core form cannot take (fp8, head sizes not multiples of 16) run on
     # the flash form, whose kernel loads and stores 16-byte vectors of q and out
-    flash_form = kv_layout == "nhd" and (info.cache == "e4m3" or head_size % 16 != 0)
+    flash_form = kv_layout == "nhd" and not tuning.tensor_core_decode_fits(info.cache, head_size)
     if flash_form:
         A.check_aligned(q, 16, "q")
-        if block_tables.shape[1] * info.block_size >= 2**29:    # (the flash kernel's keys)
-            raise ValueError(f"block_tables: max_blocks_per_seq * block_size = "
-                             f"{block_tables.shape[1] * info.block_size} must be < 2**29")
+        check_flash_context(block_tables, info.block_size)
     if out is not None:             # (the decode kernels' element stores need no alignment)
         A.check_output(out, q.shape, q.dtype, "out", _Q_DOC, device_id,
                        align=16 if flash_form else 0)

@@ -138,6 +138,18 @@ def _check_nhd_sizes(block_size: int, head_size: int, dtype, block_name: str,
                          "whole number of 16-byte vectors")
 
 
+# The flash kernel's key positions (int) over a paged cache: a table's capacity below this.
+MAX_FLASH_CONTEXT = 2**29
+
+
+def check_flash_context(block_tables, block_size: int) -> None:
+    """The flash kernel's bound on a table's capacity (max_blocks_per_seq * block_size)."""
+    capacity = block_tables.shape[1] * block_size
+    if capacity >= MAX_FLASH_CONTEXT:
+        raise ValueError(f"block_tables: max_blocks_per_seq * block_size = {capacity} must "
+                         "be < 2**29")
+
+
 def check_tables(block_tables, seq_lens, num_seqs: int) -> None:
     """block_tables int32 (num_seqs, max_blocks_per_seq) and seq_lens int32 (num_seqs,)."""
     A.check_ndim(block_tables, 2, "block_tables", "(num_seqs, max_blocks_per_seq)")

@@ -31,7 +31,8 @@ from ..jit import device_info
 from ..variants import FEAT_ALIBI, FEAT_SINKS, FEAT_SOFTCAP, KV_PAGED_NHD, KV_PAGED_VLLM
 from .attention import decode_launches, window_bound
 from .forms import FORMS
-from .layout import HEAD_SIZES, check_caches, check_layout, check_scale, check_tables
+from .layout import (HEAD_SIZES, check_caches, check_flash_context, check_layout, check_scale,
+                     check_tables)
 
 _plans = plan_cache()
 _NAMES = ("q", "k_cache", "v_cache", "block_tables", "seq_lens", "cu_seqlens_q", "alibi_slopes",
@@ -99,11 +100,7 @@ def _plan(arrays, max_seqlen_q, causal, softmax_scale, window_size, softcap, k_s
     if not 0 <= max_seqlen_q < _MAX_SEQLEN:
         raise ValueError(f"max_seqlen_q: expected 0 <= max_seqlen_q < 2**29, got {max_seqlen_q}")
     max_seqlen_q = int(max_seqlen_q)
-    max_blocks = block_tables.shape[1]
-    max_context = max_blocks * info.block_size
-    if max_context >= _MAX_SEQLEN:
-        raise ValueError(f"block_tables: max_blocks_per_seq * block_size = {max_context} must "
-                         "be < 2**29")
+    check_flash_context(block_tables, info.block_size)
     softmax_scale, left, right, num_splits, return_lse = _check_options(
         causal, softmax_scale, window_size, num_splits, return_lse, head_size)
     device_id = q.device.id
