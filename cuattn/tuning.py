@@ -25,6 +25,8 @@ _OVERRIDE_KEYS = {
     "prefill_tiles": "FlashTiles of paged_prefill's kernel",
     "paged_form": '"mma" or "simt": the paged decode form, wherever that form can run',
     "paged_mma": "PagedMmaTiles of the tensor-core paged form",
+    "multi_token_group": "query heads per block of multi-token decode (a divisor of the GQA "
+                         "ratio)",
     "prefill_form": '"decode" or "flash": paged_prefill\'s kernel, wherever that one can run',
     "flash_path": '"wgmma" or "mma": the kernel of flash_forward / flash_varlen_forward',
     "flash_sm90_tiles": "FlashSm90Tiles of the Hopper forward kernel",
@@ -37,8 +39,8 @@ def override(**choices) -> Iterator[None]:
     """Force tuning choices for the calls made inside the block (sweeps and tests).
 
     Keys: flash_tiles (FlashTiles; implies the mma.sync path), prefill_tiles (FlashTiles),
-    paged_form ("mma" / "simt"), paged_mma (PagedMmaTiles), prefill_form ("decode" /
-    "flash"), flash_path ("wgmma" / "mma"), flash_sm90_tiles (FlashSm90Tiles).
+    paged_form ("mma" / "simt"), paged_mma (PagedMmaTiles), multi_token_group (int),
+    prefill_form ("decode" / "flash"), flash_path ("wgmma" / "mma"), flash_sm90_tiles (FlashSm90Tiles).
     The launch plans cached so far are dropped on entry and on exit.
     """
     unknown = sorted(set(choices) - set(_OVERRIDE_KEYS))
@@ -442,7 +444,9 @@ def paged_multi_token(head_size: int, gqa_ratio: int, max_seqlen_q: int) -> tupl
     if tokens > max_cols:
         raise ValueError(f"max_seqlen_q: {max_seqlen_q} new tokens exceed the {max_cols} "
                          f"columns of multi-token decode at head size {head_size}")
-    return tokens, paged_group(gqa_ratio, min(PAGED_MAX_GROUP, max_cols // tokens))
+    limit = min(PAGED_MAX_GROUP, max_cols // tokens,
+                _overrides.get("multi_token_group", PAGED_MAX_GROUP))
+    return tokens, paged_group(gqa_ratio, limit)
 
 
 # ---- paged (paged_attention / reshape_and_cache) -------------------------------------------------

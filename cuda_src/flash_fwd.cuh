@@ -43,8 +43,10 @@ enum : int { kSoftcap = 1, kAlibi = 2, kSinks = 4, kPackGqa = 8 };
 //             denominator), kPackGqa (a block's rows are the tokens x query heads of one KV
 //             head: each K/V tile is read once for the whole group; paged_prefill).
 //   FP8       a paged cache of fp8 e4m3 bytes: each stage also holds its tile's raw bytes,
-//             copied by cp.async and widened to T (times k_scale / v_scale) in shared memory
-//             once the stage has landed (KVSource::widen), before any warp reads it.
+//             copied by cp.async and widened to T (exactly: every e4m3 value is one) in
+//             shared memory once the stage has landed (KVSource::widen), before any warp
+//             reads it. k_scale is in the softmax scale (the host's), v_scale multiplies
+//             each row's normaliser.
 template <bool FP8, typename T> struct CacheElem { using type = T; };
 template <typename T> struct CacheElem<true, T> { using type = unsigned char; };
 
@@ -272,19 +274,19 @@ struct KVSource {
   }
 
   // fp8: widen the landed raw bytes of a stage (generic pointer `stage`) into its K and V
-  // tiles of T, as load() would have laid them out, times k_scale / v_scale.
+  // tiles of T, as load() would have laid them out (exact: no scale is applied here).
   __device__ __forceinline__ void widen(unsigned char* stage) const {
     constexpr int FC = Tr::HEAD_DIM / 16, VTC = Tr::VT_CHUNKS, D_CHUNKS = Tr::D_CHUNKS;
     constexpr int THREADS = Tr::THREADS;
     const unsigned char* k8 = stage + 2 * Tr::KV_TILE_BYTES;
     const unsigned char* v8 = k8 + Tr::FP8_TILE_BYTES;
-    auto widen8 = [](const unsigned char* src, float scale) {   // 8 fp8 -> 8 T
+    auto widen8 = [](const unsigned char* src) {   // 8 fp8 -> 8 T
       float f[8];
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
         __nv_fp8_e4m3 x;
         x.__x = src[i];
-        f[i] = to_float(x) * scale;
+        f[i] = to_float(x);
       }
       uint4 out;
       out.x = pack_pair<T>(f[0], f[1]); out.y = pack_pair<T>(f[2], f[3]);
@@ -301,7 +303,7 @@ struct KVSource {
 #pragma unroll
         for (int h = 0; h < 2; ++h)
           *reinterpret_cast<uint4*>(stage + swizzled_offset<D_CHUNKS>(r, 2 * fc + h)) =
-              widen8(kb + 8 * h, p.k_scale);
+              widen8(kb + 8 * h);
         if constexpr (!Tr::V_BY_DIM) {
           const uint4 vraw = *reinterpret_cast<const uint4*>(v8 + c * 16);
           const unsigned char* vb = reinterpret_cast<const unsigned char*>(&vraw);
@@ -309,7 +311,7 @@ struct KVSource {
           for (int h = 0; h < 2; ++h)
             *reinterpret_cast<uint4*>(stage + Tr::KV_TILE_BYTES +
                                       swizzled_offset<D_CHUNKS>(r, 2 * fc + h)) =
-                widen8(vb + 8 * h, p.v_scale);
+                widen8(vb + 8 * h);
         }
       }
     }
@@ -321,7 +323,7 @@ struct KVSource {
           const uint2 vraw = *reinterpret_cast<const uint2*>(v8 + c * 8);
           *reinterpret_cast<uint4*>(stage + Tr::KV_TILE_BYTES +
                                     swizzled_offset<VTC>(c / VTC, c % VTC)) =
-              widen8(reinterpret_cast<const unsigned char*>(&vraw), p.v_scale);
+              widen8(reinterpret_cast<const unsigned char*>(&vraw));
         }
       }
     }
@@ -1044,7 +1046,14 @@ __device__ void flash_fwd_kernel(const FlashFwdParams& p) {
                          : 0.f;
     }
   }
-  const auto rows = softmax.template finish<FINISH_SINKS>(sink);
+  auto rows = softmax.template finish<FINISH_SINKS>(sink);
+  if constexpr (Tr::FP8) {   // V was widened unscaled: O = v_scale x P V
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt) {
+      rows.inv_sum[mt][0] *= p.v_scale;
+      rows.inv_sum[mt][1] *= p.v_scale;
+    }
+  }
   if constexpr (Tr::SPLIT) {
     store_partials<Tr>(p, rows, o_acc, b, qrows, num_rows, split, qr, m0, warp, g, t4,
                        head_dim_chunks);

@@ -799,9 +799,9 @@ def _paged_config(rng, core, partition=None, hooked=False):
     cache = "same" if core else _pick(rng, ("same", "e4m3", "u8"), p=[0.5, 0.25, 0.25])
     sizes = [s for s in paged.HEAD_SIZES if cache == "same" or s % 16 == 0]
     hs = int(_pick(rng, (64, 128))) if core or rng.random() < 0.5 else int(_pick(rng, sizes))
-    # NHD: the tensor-core form only (16-bit caches, head sizes multiples of 16), blocks 1..256
-    nhd = not core and cache == "same" and hs % 16 == 0 and \
-        bool(rng.random() < (0.5 if hooked else 0.25))
+    # NHD, blocks 1..256: the tensor-core form (16-bit caches, head sizes multiples of 16),
+    # else the flash form (fp8 caches, head size 120)
+    nhd = not core and bool(rng.random() < (0.5 if hooked else 0.25))
     if nhd:
         bs = int(_pick(rng, paged.NHD_BLOCK_SIZES))
     else:
@@ -925,10 +925,14 @@ def _decode_reference(p, c, scale):
 
 def build_paged(p, rng):
     h = p["nkv"] * p["gqa"]
-    if p["layout"] == "nhd":             # 16-bit caches, the values drawn as they are written
+    if p["layout"] == "nhd":             # the values drawn as they are written
         c = _paged_cache(rng, p["lens"], nkv=p["nkv"], hs=p["hs"], bs=p["bs"],
                          dtype=p["dtype"], layout="nhd", extra_table=p["extra_table"],
                          values=p["values"])
+        if p["cache"] != "same":         # fp8: x / scale in e4m3 (NaN slots stay NaN)
+            for n, sc in (("k_cache", p["k_scale"]), ("v_cache", p["v_scale"])):
+                x = np.clip(c[n].astype(np.float32) / np.float32(sc), -448, 448).astype(E4M3)
+                c[n] = x.view(np.uint8) if p["cache"] == "u8" else x
         c["q"] = _q_values(rng, (len(p["lens"]), h, p["hs"]), p["values"], DT[p["dtype"]])
         c["alibi_slopes"] = _alibi_std(h) if p["alibi"] else None
     else:
@@ -990,6 +994,9 @@ def _paged_key(p, partition):
 def kernels_paged(p, arch):
     """The v1 / v2 variants the call may run: a superset where the library's choice depends
     on the device (version "auto", partition None)."""
+    cache = p["dtype"] if p["cache"] == "same" else "e4m3"
+    if p["layout"] == "nhd" and not tuning.tensor_core_decode_fits(cache, p["hs"]):
+        return []                        # the flash form: its kernels compile on first use
     keys = [_paged_key(p, 0)] if p["version"] != "v2" else []
     if p["version"] != "v1":
         parts = [p["partition"]] if p["partition"] else tuning.PAGED_PARTITION_SIZES

@@ -3,9 +3,11 @@
 python bench/lab/verify_sweep.py
 paged_prefill's few-token form (multi-token decode on the tensor-core paged kernel) on the
 prefill suite's verify shapes (bf16 hd128, 32 q / 8 KV heads, vLLM layout, block 16, 8 new
-tokens per sequence; 4 for reference), L2 flushed before every replay: its ring
-(tuning.override(paged_mma=PagedMmaTiles(num_warps, stages))) x num_splits (0: the decode
-rule, 1: v1, n: v2 partitions of at most n per sequence), each as time over single-token
+tokens per sequence; 4 for reference), L2 flushed before every replay: the query heads per
+block (tuning.override(multi_token_group=g): g < 4 reads each K/V byte 4 / g times, the
+neighbouring blocks' reads from L2) x its ring (tuning.override(paged_mma=
+PagedMmaTiles(num_warps, stages))) x num_splits (0: the decode rule, 1: v1, n: v2
+partitions of at most n per sequence), each as time over single-token
 paged_attention on the same cache (shipped ring) in the same run. Each candidate's output is
 compared with the shipped choice's (WRONG: never best). Results go into cuattn/tuning.py
 (paged_mma_tiles / paged_mma_plan) by hand, with the numbers.
@@ -25,10 +27,11 @@ from bench.suite_prefill import HEAD, NUM_HEADS, PagedCase, _graph_ms  # noqa: E
 from cuattn import tuning  # noqa: E402
 from cuattn.tuning import PagedMmaTiles  # noqa: E402
 
-RINGS = [PagedMmaTiles(4, 3), PagedMmaTiles(4, 2), PagedMmaTiles(4, 4), PagedMmaTiles(8, 2),
-         PagedMmaTiles(2, 3)]
-SPLITS = [0, 1, 4, 8, 16]
-SHAPES = [(32, 4096, 8), (64, 4096, 8), (32, 4096, 4), (64, 16384, 8)]
+# (query heads per block, ring); (4, 4w2s) is the shipped choice at 4-8 tokens
+CONFIGS = [(4, PagedMmaTiles(4, 2)), (4, PagedMmaTiles(4, 3)), (2, PagedMmaTiles(4, 2)),
+           (2, PagedMmaTiles(4, 3)), (1, PagedMmaTiles(4, 3))]
+SPLITS = [0, 1, 4]
+SHAPES = [(32, 4096, 8), (64, 4096, 8), (32, 4096, 4), (64, 4096, 4), (64, 16384, 8)]
 
 
 def main():
@@ -41,9 +44,10 @@ def main():
             q1, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, out=out1),
             flush=True)
         ref = case.prefill()().astype(cupy.float32)
-        for ring in RINGS:
-            row = {"config": f"{batch} x ctx {ctx}, {q_len} new", "ring": f"{ring.num_warps}w{ring.stages}s"}
-            with tuning.override(paged_mma=ring):
+        for group, ring in CONFIGS:
+            row = {"config": f"{batch} x ctx {ctx}, {q_len} new", "group": group,
+                   "ring": f"{ring.num_warps}w{ring.stages}s"}
+            with tuning.override(paged_mma=ring, multi_token_group=group):
                 for s in SPLITS:
                     try:
                         got = case.prefill(num_splits=s)().astype(cupy.float32)
