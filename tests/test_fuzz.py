@@ -982,9 +982,14 @@ def check_paged(p, c, got):
                lambda g, r: np.allclose(g, r, rtol=1e-4, atol=1e-3 + slack_lse))
 
 
+def _cache_kind(p):
+    """The case's cache as the library names it: its dtype's short name or "e4m3"."""
+    return p["dtype"] if p["cache"] == "same" else "e4m3"
+
+
 def _paged_key(p, partition):
     """The main kernel's variant, of the form paged_attention runs for the case."""
-    cache = p["dtype"] if p["cache"] == "same" else "e4m3"
+    cache = _cache_kind(p)
     nhd = p["layout"] == "nhd"
     return form_for(cache, p["hs"], p["group"], nhd=nhd).variant(
         p["dtype"], cache, p["hs"], p["bs"], p["group"], partition, p["alibi"],
@@ -994,8 +999,7 @@ def _paged_key(p, partition):
 def kernels_paged(p, arch):
     """The v1 / v2 variants the call may run: a superset where the library's choice depends
     on the device (version "auto", partition None)."""
-    cache = p["dtype"] if p["cache"] == "same" else "e4m3"
-    if p["layout"] == "nhd" and not tuning.tensor_core_decode_fits(cache, p["hs"]):
+    if p["layout"] == "nhd" and not tuning.tensor_core_decode_fits(_cache_kind(p), p["hs"]):
         return []                        # the flash form: its kernels compile on first use
     keys = [_paged_key(p, 0)] if p["version"] != "v2" else []
     if p["version"] != "v1":
@@ -1090,8 +1094,7 @@ def oracle_reshape(p, c):
 
 
 def kernels_reshape(p, arch):
-    cache = p["dtype"] if p["cache"] == "same" else "e4m3"
-    return [tuning.reshape_variant(p["dtype"], cache, p["slot64"])] if p["tokens"] else []
+    return [tuning.reshape_variant(p["dtype"], _cache_kind(p), p["slot64"])] if p["tokens"] else []
 
 
 def work_reshape(p):

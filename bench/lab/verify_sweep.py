@@ -10,7 +10,7 @@ PagedMmaTiles(num_warps, stages))) x num_splits (0: the decode rule, 1: v1, n: v
 partitions of at most n per sequence), each as time over single-token
 paged_attention on the same cache (shipped ring) in the same run. Each candidate's output is
 compared with the shipped choice's (WRONG: never best). Results go into cuattn/tuning.py
-(paged_mma_tiles / paged_mma_plan) by hand, with the numbers.
+(paged_mma_tiles / paged_multi_token / paged_mma_plan) by hand, with the numbers.
 """
 from __future__ import annotations
 
