@@ -27,7 +27,8 @@ causal and not), three split-KV shapes (the num_splits=0 rule splits them), varl
 sequences of mixed lengths, 16384 tokens), the decode suite's (kv heads 8 and 32, its
 CONFIGS, v1 / v2 / auto), fp8 decode (the CUDA-core form), the merge suite's, and
 merge_states with 4 states; "verify" (not run by default): paged_prefill with 2 / 4 / 8
-new tokens per sequence, the prefill suite's verify rows.
+new tokens per sequence, the prefill suite's verify rows; "hooks" (not run by default):
+softcap beside the same calls without it (hook_cases).
 """
 from __future__ import annotations
 
@@ -186,6 +187,45 @@ def verify_cases(quick: bool) -> Iterator[Case]:
             yield Case("verify", f"{batch}x{ctx} {q_len} new", make, calls=1, flush=True)
 
 
+HOOK_HEAD_DIMS = (64, 128, 256)
+HOOK_SEQLEN = 4096
+
+
+def hook_cases(quick: bool) -> Iterator[Case]:
+    """Softcap (cap 30) beside the same call without it: flash_forward at S 4096 (the flash
+    suite's shapes, hd 64 / 128 / 256, full and causal; quick: hd128), flash_varlen_forward
+    (varlen_cases' sequences, causal) and paged_prefill 8 x 2048 new tokens / ctx 16384 (the
+    prefill suite's hooks row; nhd/16 and vllm/16). Both trees' cost of the hook is the ratio
+    of a row to its "none" row."""
+    for d in (128,) if quick else HOOK_HEAD_DIMS:
+        q, k, v = suite_flash.standard_inputs(d, HOOK_SEQLEN)
+        for causal in (False, True):
+            for hook, kw in (("none", {}), ("softcap", {"softcap": 30.0})):
+                def make(ca, causal=causal, kw=kw):
+                    out = cupy.empty_like(q)
+                    return (lambda: ca.flash_forward(q, k, v, causal=causal, out=out, **kw)), out
+                yield Case("hooks", f"{suite_flash.label(d, HOOK_SEQLEN, causal)} {hook}", make)
+    lengths = suite_flash.VARLEN_LENGTHS
+    cu = cupy.asarray(np.concatenate([[0], np.cumsum(lengths)]), dtype=np.int32)
+    q, k, v = (randn(sum(lengths), 16, 128) for _ in range(3))
+    for hook, kw in (("none", {}), ("softcap", {"softcap": 30.0})):
+        def make_varlen(ca, kw=kw):
+            out = cupy.empty_like(q)
+            return (lambda: ca.flash_varlen_forward(q, k, v, cu, cu, max(lengths), max(lengths),
+                                                    causal=True, out=out, **kw)), out
+        yield Case("hooks", f"varlen hd128 H16 {sum(lengths)} tokens causal {hook}", make_varlen)
+    for layout in ("nhd",) if quick else ("nhd", "vllm"):
+        c = suite_prefill.PagedCase(8, 16384, suite_prefill.CHUNK, layout, 16)
+        for hook, kw in (("none", {}), ("softcap", {"softcap": 30.0})):
+            def make_paged(ca, c=c, kw=kw):
+                out = cupy.empty_like(c.q)
+                return (lambda: ca.paged_prefill(
+                    c.q, c.k_cache, c.v_cache, c.block_tables, c.seq_lens, c.cu_q, c.q_len,
+                    kv_layout=c.layout, out=out, **kw)), out
+            yield Case("hooks", f"paged_prefill 8 x 2048 / ctx 16384 {layout}/16 {hook}",
+                       make_paged, calls=3)
+
+
 def cases(suites: list[str], quick: bool, new) -> Iterator[Case]:
     if "flash" in suites:
         yield from flash_cases(quick)
@@ -198,6 +238,8 @@ def cases(suites: list[str], quick: bool, new) -> Iterator[Case]:
         yield from merge_cases(quick)
     if "verify" in suites:
         yield from verify_cases(quick)
+    if "hooks" in suites:
+        yield from hook_cases(quick)
 
 
 def _max_diff(a, b) -> float | None:
@@ -319,7 +361,7 @@ def main(argv=None) -> int:
     parser.add_argument("--old", required=True, type=Path,
                         help="directory holding cuattn_old/ and cuda_src/ (scripts/ab_prepare.sh)")
     parser.add_argument("--suites", nargs="+", default=["flash", "decode", "merge"],
-                        choices=["flash", "decode", "merge", "verify"])
+                        choices=["flash", "decode", "merge", "verify", "hooks"])
     parser.add_argument("--quick", action="store_true", help="a few configurations per suite")
     parser.add_argument("--json", help="write the rows and the summary to this file")
     parser.add_argument("--no-precompile", action="store_true",
