@@ -95,12 +95,17 @@ def split_cases(quick: bool) -> Iterator[Case]:
                    flush=True)
 
 
-def varlen_cases(quick: bool) -> Iterator[Case]:
+def _varlen_inputs():
+    """The flash suite's varlen sequences (hd128, 16 heads): cu_seqlens, q, k, v, longest."""
     lengths = suite_flash.VARLEN_LENGTHS
-    total, h, d = sum(lengths), 16, 128
     cu = cupy.asarray(np.concatenate([[0], np.cumsum(lengths)]), dtype=np.int32)
-    q, k, v = (randn(total, h, d) for _ in range(3))
-    longest = max(lengths)
+    q, k, v = (randn(sum(lengths), 16, 128) for _ in range(3))
+    return cu, q, k, v, max(lengths)
+
+
+def varlen_cases(quick: bool) -> Iterator[Case]:
+    cu, q, k, v, longest = _varlen_inputs()
+    total, h = q.shape[0], q.shape[1]
     for causal in (False, True):
         def make(ca, causal=causal):
             out = cupy.empty_like(q)
@@ -189,6 +194,7 @@ def verify_cases(quick: bool) -> Iterator[Case]:
 
 HOOK_HEAD_DIMS = (64, 128, 256)
 HOOK_SEQLEN = 4096
+HOOKS = (("none", {}), ("softcap", {"softcap": 30.0}))
 
 
 def hook_cases(quick: bool) -> Iterator[Case]:
@@ -200,23 +206,21 @@ def hook_cases(quick: bool) -> Iterator[Case]:
     for d in (128,) if quick else HOOK_HEAD_DIMS:
         q, k, v = suite_flash.standard_inputs(d, HOOK_SEQLEN)
         for causal in (False, True):
-            for hook, kw in (("none", {}), ("softcap", {"softcap": 30.0})):
+            for hook, kw in HOOKS:
                 def make(ca, causal=causal, kw=kw):
                     out = cupy.empty_like(q)
                     return (lambda: ca.flash_forward(q, k, v, causal=causal, out=out, **kw)), out
                 yield Case("hooks", f"{suite_flash.label(d, HOOK_SEQLEN, causal)} {hook}", make)
-    lengths = suite_flash.VARLEN_LENGTHS
-    cu = cupy.asarray(np.concatenate([[0], np.cumsum(lengths)]), dtype=np.int32)
-    q, k, v = (randn(sum(lengths), 16, 128) for _ in range(3))
-    for hook, kw in (("none", {}), ("softcap", {"softcap": 30.0})):
+    cu, q, k, v, longest = _varlen_inputs()
+    for hook, kw in HOOKS:
         def make_varlen(ca, kw=kw):
             out = cupy.empty_like(q)
-            return (lambda: ca.flash_varlen_forward(q, k, v, cu, cu, max(lengths), max(lengths),
+            return (lambda: ca.flash_varlen_forward(q, k, v, cu, cu, longest, longest,
                                                     causal=True, out=out, **kw)), out
-        yield Case("hooks", f"varlen hd128 H16 {sum(lengths)} tokens causal {hook}", make_varlen)
+        yield Case("hooks", f"varlen hd128 H16 {q.shape[0]} tokens causal {hook}", make_varlen)
     for layout in ("nhd",) if quick else ("nhd", "vllm"):
         c = suite_prefill.PagedCase(8, 16384, suite_prefill.CHUNK, layout, 16)
-        for hook, kw in (("none", {}), ("softcap", {"softcap": 30.0})):
+        for hook, kw in HOOKS:
             def make_paged(ca, c=c, kw=kw):
                 out = cupy.empty_like(c.q)
                 return (lambda: ca.paged_prefill(
