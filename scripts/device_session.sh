@@ -8,6 +8,8 @@
 #   scripts/device_session.sh OUTDIR peers      the flash suite (cuattn, FA2, cuDNN; both methods)
 #   scripts/device_session.sh OUTDIR prefill    the prefill suite, then bench/lab/prefill_sweep.py
 #   scripts/device_session.sh OUTDIR sanitize   scripts/sanitize.sh (TOOLS=... to pick)
+# The test stages run as SHARDS (default 12) pytest processes (scripts/pytest_shards.py), so
+# that kernels compile in parallel; PYTEST_ARGS / FUZZ_ARGS narrow them (-k ..., node ids).
 # Several stages in one call: scripts/device_session.sh OUTDIR tests fuzz. Each stage runs
 # under its own time limit (<STAGE>_TIMEOUT seconds) so that a call returns its logs.
 # CUATTN_CACHE_DIR defaults to out/cache (carry it to reuse kernels compiled elsewhere).
@@ -31,16 +33,25 @@ run() {   # run NAME TIMEOUT CMD...: CMD's output to the console and OUTDIR/NAME
   [ "$rc" = 0 ] || status=1
 }
 
+shards() {   # shards NAME TIMEOUT PYTEST_ARGS...: scripts/pytest_shards.py, SHARDS processes; the
+             # shard logs packed into OUTDIR/NAME_logs.tgz (a device call returns few files)
+  local name=$1 limit=$2 logs=/tmp/cuattn-shards/$1
+  shift 2
+  rm -rf "$logs"
+  run "$name" "$((limit + 30))" python3 scripts/pytest_shards.py -n "${SHARDS:-12}" \
+      --logdir "$logs" --timeout "$limit" -- "$@"
+  tar -czf "$out/${name}_logs.tgz" -C "$logs" .
+}
+
 for stage in "$@"; do
   case $stage in
     tests)
       run info 60 python3 -m cuattn info
       run precompile 60 python3 -m cuattn precompile -q
-      run pytest "${TESTS_TIMEOUT:-420}" python3 -m pytest -q -m gpu -p no:cacheprovider -rfE \
-          --ignore=tests/test_fuzz.py ${PYTEST_ARGS:-} tests/ ;;
+      shards pytest "${TESTS_TIMEOUT:-420}" -m gpu -rfE --ignore=tests/test_fuzz.py \
+          ${PYTEST_ARGS:-} tests/ ;;
     fuzz)
-      run fuzz "${FUZZ_TIMEOUT:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider -rfE \
-          tests/test_fuzz.py ;;
+      shards fuzz "${FUZZ_TIMEOUT:-300}" -m gpu -rfE ${FUZZ_ARGS:-} tests/test_fuzz.py ;;
     ab)
       run ab "${AB_TIMEOUT:-360}" python3 bench/ab.py --old "${AB_OLD:-out/ab_old}" \
           --json "$out/ab.json"

@@ -14,9 +14,9 @@ error is the kernel's, not the rounding's), every key of a row masked, lse = +/-
 merges, fp16 values near 65504; every input may be a strided view of a NaN-poisoned storage
 and every given out= is one, so reads and writes outside the views show up. A fraction of the
 attention cases carry the hooks (softcap, ALiBi slopes, sinks; for paged_attention also
-windows and the NHD layout); paged_prefill's cases mix both cache layouts, speculative and
-chunk-sized queries, shared prefixes and every hook, each paged cache holding NaN wherever a
-sequence must not read (past its length, unreferenced blocks, table entries past its end).
+windows and the NHD layout); paged_prefill's cases mix both cache layouts, 16-bit and fp8
+caches, speculative and chunk-sized queries, shared prefixes and every hook, each paged cache
+holding NaN wherever a sequence must not read (past its length, unreferenced blocks, table entries past its end).
 
 CPU part: the generators, references and checks run against an oracle (the rounded
 reference must pass, a perturbed one must fail), and the default N cases of fixed seeds stay
@@ -1107,17 +1107,22 @@ def work_reshape(p):
 def _prefill_palette(rng):
     """Three families of kernel-defining values per run: dtype, head size (128, the run's odd
     one, any), cache layout (one each, then either), hooks (the third family's, a non-empty
-    set) and the one mask besides causal their cases take. Within a family a case's mask
-    (2), split-KV (2) and the tile class of its rows (max_seqlen_q x group: <= 16, 32, 64 or
-    more; two classes above head size 128) pick the kernel: at most 2 x 2 x 4 variants and a
-    combine per family."""
+    set), the one mask besides causal their cases take and the cache (16-bit, but for one of
+    the last two families fp8 e4m3, as ml_dtypes' type or uint8 bytes, where its head size
+    fits). Within a family a case's mask (2), split-KV (2) and the tile class of its rows
+    (max_seqlen_q x group: <= 16, 32, 64 or more; two classes above head size 128) pick the
+    kernel: at most 2 x 2 x 4 variants and a combine per family."""
     first = _pick(rng, ("vllm", "nhd"))
     layouts = (first, "nhd" if first == "vllm" else "vllm", _pick(rng, ("vllm", "nhd")))
     odd = [s for s in paged.HEAD_SIZES if s != 128]
-    return [dict(dtype=_pick(rng, ("f16", "bf16")),
+    fams = [dict(dtype=_pick(rng, ("f16", "bf16")),
                  hs=128 if i == 0 else int(_pick(rng, odd if i == 1 else paged.HEAD_SIZES)),
                  layout=layouts[i], hooks=int(rng.integers(1, 8)) if i == 2 else 0,
-                 mask=_pick(rng, ("none", "window"))) for i in range(3)]
+                 mask=_pick(rng, ("none", "window")), cache="same") for i in range(3)]
+    fits = [i for i in (1, 2) if fams[i]["hs"] % 16 == 0]     # fp8 rows: whole 16-byte vectors
+    if fits:
+        fams[int(_pick(rng, fits))]["cache"] = _pick(rng, ("e4m3", "u8"))
+    return fams
 
 
 def _q_short(rng):
@@ -1159,7 +1164,7 @@ def _fit_prefill(p):
 
 def gen_prefill(rng, pal):
     fam = pal[int(rng.choice(3, p=[0.4, 0.25, 0.35]))]
-    p = dict(dtype=fam["dtype"], hs=fam["hs"], layout=fam["layout"])
+    p = dict(dtype=fam["dtype"], hs=fam["hs"], layout=fam["layout"], cache=fam["cache"])
     p["bs"] = int(_pick(rng, paged.BLOCK_SIZES if p["layout"] == "vllm" else
                         paged.NHD_BLOCK_SIZES))
     p["nkv"] = int(_pick(rng, (1, 1, 2, 4)))
@@ -1202,8 +1207,12 @@ def gen_prefill(rng, pal):
         p["window"] = (left, right)
     _set_hooks(rng, p, fam["hooks"])
     values = _pick(rng, ("normal", "big", "offset", "vmax"), p=[0.7, 0.1, 0.1, 0.1])
-    values = _hook_values(p, "normal" if values == "vmax" and p["dtype"] != "f16" else values)
-    p.update(values=values, scale=_scale(rng, values, p["hs"]),
+    if values == "vmax" and p["dtype"] != "f16" or p["cache"] != "same":
+        values = "normal"                # fp8: integers / k_scale are no longer exact
+    values = _hook_values(p, values)
+    # fp8 dequantisation scales (ignored for 16-bit caches, so random there too)
+    ks, vs = (round(float(np.exp(rng.uniform(np.log(0.02), np.log(2.0)))), 4) for _ in "kv")
+    p.update(values=values, scale=_scale(rng, values, p["hs"]), k_scale=ks, v_scale=vs,
              num_splits=int(_pick(rng, (0, 1, 2, 3, 4, 8, 16, 64),
                                   p=[0.3, 0.25, 0.1, 0.1, 0.1, 0.05, 0.05, 0.05])),
              return_lse=bool(rng.random() < 0.75), out=_pick(rng, ("none", "contig", "strided")),
@@ -1217,12 +1226,18 @@ def build_prefill(p, rng):
     c = _paged_cache(rng, p["ctx"], nkv=p["nkv"], hs=p["hs"], bs=p["bs"], dtype=p["dtype"],
                      layout=p["layout"], extra_table=p["extra_table"], shared=p["shared"],
                      values=p["values"])
+    fp8 = p["cache"] != "same"
+    if fp8:                              # x / scale in e4m3 (NaN slots stay NaN)
+        for n, sc in (("k_cache", p["k_scale"]), ("v_cache", p["v_scale"])):
+            x = np.clip(c[n].astype(np.float32) / np.float32(sc), -448, 448).astype(E4M3)
+            c[n] = x.view(np.uint8) if p["cache"] == "u8" else x
+    scales = (p["k_scale"], p["v_scale"]) if fp8 else (1.0, 1.0)
     cu = _cu(p["lens_q"])
     c["q"] = _q_values(rng, (cu[-1] + p["pad_q"], h, p["hs"]), p["values"], DT[p["dtype"]])
     c["alibi_slopes"], c["sinks"] = _hook_arrays(rng, p, h)
     refs, v_max = [], 0.0
     for s in range(len(p["ctx"])):       # query i of s at position ctx - q_len + i
-        k, v = _gather(c, p["layout"], s)
+        k, v = _gather(c, p["layout"], s, *scales)
         refs.append(_attn_ref(c["q"][None, cu[s]:cu[s + 1]], k[None], v[None], p["causal"],
                               p["window"], p["scale"], p["dtype"], p["softcap"],
                               c["alibi_slopes"], c["sinks"]))
@@ -1250,7 +1265,8 @@ def call_prefill(p, c, rng):
         q, kc, vc, bt, cp.asarray(c["seq_lens"]), cp.asarray(c["cu_q"]),
         max(p["lens_q"]) + p["extra_max"], causal=p["causal"], softmax_scale=p["scale"],
         window_size=p["window"], kv_layout=p["layout"], return_lse=p["return_lse"],
-        num_splits=p["num_splits"], out=out, **_hook_args(p, c, rng))
+        num_splits=p["num_splits"], k_scale=p["k_scale"], v_scale=p["v_scale"], out=out,
+        **_hook_args(p, c, rng))
     return _flash_result(res, p, out, store, outside)
 
 
@@ -1261,7 +1277,8 @@ def kernels_prefill(p, arch):
         return []
     mask, features = _mask_of(p), _features(p)
     kv = KV_PAGED_NHD if p["layout"] == "nhd" else KV_PAGED_VLLM
-    hopper = tuning.paged_prefill_path(arch, p["hs"], p["layout"], p["bs"], p["dtype"]) == "wgmma"
+    hopper = tuning.paged_prefill_path(arch, p["hs"], p["layout"], p["bs"],
+                                       _cache_kind(p)) == "wgmma"
 
     def fwd(split):
         if hopper:     # (the caches' strides a map takes)
@@ -1270,7 +1287,7 @@ def kernels_prefill(p, arch):
                                              kv=kv)
         return tuning.paged_prefill_variant(p["dtype"], p["hs"], mask=mask, split=split,
                                             arch=arch, kv=kv, features=features,
-                                            rows=max_sq * p["gqa"])
+                                            rows=max_sq * p["gqa"], fp8=p["cache"] != "same")
     max_blocks = max(max(-(-n // p["bs"]) for n in p["ctx"]) + p["extra_table"], 1)
     tiles = -(-max_blocks * p["bs"] // fwd(False).block_n)
     extra = [fwd(True), tuning.flash_combine_variant(p["dtype"], p["hs"],
@@ -1279,11 +1296,14 @@ def kernels_prefill(p, arch):
 
 
 def work_prefill(p):
+    """fp8 caches: their quantisation and dequantising gather cost about two passes more
+    over the slots."""
     h, d, bs = p["nkv"] * p["gqa"], p["hs"], p["bs"]
     slots = sum(-(-n // bs) * bs for n in p["ctx"]) + 5 * bs
     macs = sum(h * a * n * (3 * d + 30) + 40 * d * (h * a + 2 * p["nkv"] * n)
                for a, n in zip(p["lens_q"], p["ctx"]))
-    return macs / 7.5e9 + slots * p["nkv"] * d / 1e8 + 1e-3
+    passes = 3 if p["cache"] != "same" else 1
+    return macs / 7.5e9 + passes * slots * p["nkv"] * d / 1e8 + 1e-3
 
 
 # ---- the runner ----------------------------------------------------------------------------
@@ -1439,6 +1459,8 @@ def _hook_kinds(fn, p):
         kinds.add("window")
     if p.get("layout") == "nhd":
         kinds.add("nhd")
+    if fn == "paged_prefill" and p["cache"] != "same":
+        kinds.add("fp8")
     return kinds
 
 
@@ -1446,12 +1468,12 @@ def _hook_kinds(fn, p):
                                 "paged_prefill"])
 def test_hooked_cases_on_cpu_with_an_oracle(fn):
     """The generic oracle test on cases that carry hooks (and, for paged_attention, windows
-    and the NHD layout): every kind occurs in the default N cases, and the first cases of
+    and the NHD layout; for paged_prefill the NHD layout and fp8 caches): every kind occurs in the default N cases, and the first cases of
     each kind pass for the rounded reference and fail for a perturbed one."""
     spec = SPECS[fn]
     cases = _cases(fn, 11, range(DEFAULT_CASES))
     want = {"softcap", "alibi", "sinks"} | ({"window", "nhd"} if fn == "paged_attention" else
-                                           {"nhd"} if fn == "paged_prefill" else set())
+                                           {"nhd", "fp8"} if fn == "paged_prefill" else set())
     seen = {k: [] for k in want}
     for i, p in cases:
         for k in _hook_kinds(fn, p):

@@ -1,0 +1,102 @@
+#!/usr/bin/env python3
+"""Run a pytest selection as N processes at once, so that the kernels its tests compile on first
+use (NVRTC, one CPU core each) compile in parallel, on a GPU machine:
+
+    python3 scripts/pytest_shards.py -n 12 --logdir /tmp/shards [--timeout 400] -- PYTEST_ARGS...
+
+The selection (PYTEST_ARGS: files, node ids, -m / -k) is collected once and dealt round-robin
+to the shards (neighbouring parametrizations, which share kernels, land on different shards;
+the locked disk cache compiles each kernel once). The other options in PYTEST_ARGS (-rfE,
+--maxfail=N, ...: with a value, as --name=value) go to every shard. Shard i writes
+LOGDIR/shard<i>.txt. Printed: each shard's exit code and pytest summary line, every FAILED /
+ERROR line, the totals. A shard still running at --timeout seconds is killed and reported so
+(its log holds how far it got). Exits 0 only when every shard exited 0.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+PYTEST = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider"]
+COUNTS = re.compile(r"(\d+) (passed|failed|skipped|deselected|errors?|xfailed|xpassed)")
+
+
+def collect(args: list[str]) -> list[str]:
+    done = subprocess.run([*PYTEST, "--collect-only", "-q", *args], capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit(f"collection failed (exit {done.returncode}):\n"
+                 f"{done.stdout[-3000:]}{done.stderr[-3000:]}")
+    return [line for line in done.stdout.splitlines() if "::" in line]
+
+
+def shard_options(args: list[str]) -> list[str]:
+    """The options every shard takes: all but the selection (paths, -m, -k), which the
+    collected ids already are."""
+    options, skip = [], False
+    for a in args:
+        if skip:
+            skip = False
+        elif a in ("-m", "-k"):
+            skip = True
+        elif a.startswith("-") and not a.startswith(("-m", "-k")):
+            options.append(a)
+    return options
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("-n", type=int, required=True, help="processes")
+    ap.add_argument("--logdir", type=Path, required=True)
+    ap.add_argument("--timeout", type=float, default=None, help="seconds for all shards")
+    ap.add_argument("pytest_args", nargs=argparse.REMAINDER)
+    a = ap.parse_args()
+    args = a.pytest_args[1:] if a.pytest_args[:1] == ["--"] else a.pytest_args
+    ids = collect(args)
+    if not ids:
+        sys.exit("no test collected")
+    options = shard_options(args)
+    a.logdir.mkdir(parents=True, exist_ok=True)
+    shards = [ids[i::a.n] for i in range(min(a.n, len(ids)))]
+    start = time.perf_counter()
+    procs = []
+    for i, shard in enumerate(shards):
+        log = a.logdir / f"shard{i}.txt"
+        with log.open("w") as f:
+            procs.append((log, subprocess.Popen([*PYTEST, "-q", *options, *shard],
+                                                stdout=f, stderr=subprocess.STDOUT)))
+    totals: dict[str, int] = {}
+    failures: list[str] = []
+    status = 0
+    for log, proc in procs:
+        left = None if a.timeout is None else max(0.0, a.timeout - (time.perf_counter() - start))
+        try:
+            rc = proc.wait(timeout=left)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rc = proc.wait()
+            print(f"{log.name}: killed at the {a.timeout:.0f}s timeout (see its log)")
+            status = 1
+            continue
+        status |= rc != 0
+        lines = log.read_text(errors="replace").splitlines()
+        failures += [ln for ln in lines if ln.startswith(("FAILED ", "ERROR "))]
+        counted = [ln for ln in lines if COUNTS.search(ln)]
+        summary = counted[-1].strip("= ") if counted else "(no summary line)"
+        print(f"{log.name}: exit {rc}: {summary}")
+        for count, kind in COUNTS.findall(summary):
+            kind = "errors" if kind.startswith("error") else kind
+            totals[kind] = totals.get(kind, 0) + int(count)
+    for line in failures:
+        print(line)
+    total = ", ".join(f"{v} {k}" for k, v in totals.items())
+    print(f"total over {len(shards)} shards ({len(ids)} tests): {total or 'none finished'} "
+          f"in {time.perf_counter() - start:.1f}s")
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
