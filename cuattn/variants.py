@@ -31,7 +31,7 @@ FLASH_PARAMS = ParamsStruct("FlashFwdParams", [
     ("window_right", "i32"), ("num_splits", "i32"), ("block_shift", "i32"),
     ("max_blocks_per_seq", "i32"),
     ("scale_log2", "f32"), ("softmax_scale_inv", "f32"), ("softcap_in", "f32"),
-    ("softcap_out", "f32"), ("k_scale", "f32"), ("v_scale", "f32"), ("m_blocks", "i32"),
+    ("softcap_out", "f32"), ("v_scale", "f32"), ("m_blocks", "i32"),
 ])
 
 MERGE_PARAMS = ParamsStruct("MergeParams", [

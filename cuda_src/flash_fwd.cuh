@@ -577,16 +577,20 @@ struct WarpSoftmax {
   // update() for a caller that rescales its accumulator later (the Hopper kernel, whose
   // previous O += P V may still be in flight): P in place, the sums moved to the new row
   // max, and alpha[mt][hr], the factor row (mt, hr)'s accumulator takes. Branch-free form.
-  template <bool MAY_BE_EMPTY>
+  // TILE_MAX: the caller passes each row's max over this thread's columns of the tile
+  // (tile_max) instead of its being read off s: the hook of the raw scores' max for a
+  // monotone logits hook (Logits::of_max), so that no exp2 waits for the whole tile's hook.
+  template <bool MAY_BE_EMPTY, bool TILE_MAX = false>
   __device__ __forceinline__ void update_scores(float (&s)[M_TILES][Tr::S_N_TILES][4],
-                                                float (&alpha)[M_TILES][2]) {
+                                                float (&alpha)[M_TILES][2],
+                                                const float (&tile_max)[M_TILES][2] = {}) {
     static_assert(Tr::BRANCH_FREE_RESCALE, "alpha for every row, every tile");
 #pragma unroll
     for (int mt = 0; mt < M_TILES; ++mt) {
 #pragma unroll
       for (int hr = 0; hr < 2; ++hr) {
         SoftmaxState& st = row[mt][hr];
-        const float mx = row_max(s, mt, hr);
+        const float mx = TILE_MAX ? quad_max(fmaxf(st.max, tile_max[mt][hr])) : row_max(s, mt, hr);
         const float b = SoftmaxState::base<MAY_BE_EMPTY>(mx, scale);
         alpha[mt][hr] = st.rescale(mx, scale, b);
         st.sum += row_exp(s, mt, hr, b);
@@ -599,11 +603,19 @@ struct WarpSoftmax {
   // row sum.
   __device__ __forceinline__ float row_max(const float (&s)[M_TILES][Tr::S_N_TILES][4], int mt,
                                            int hr) const {
-    float mx = row[mt][hr].max;
+    return quad_max(thread_max(s, mt, hr, row[mt][hr].max));
+  }
+  // The max of `mx` and row (mt, hr)'s scores in this thread's columns of the tile.
+  static __device__ __forceinline__ float thread_max(const float (&s)[M_TILES][Tr::S_N_TILES][4],
+                                                     int mt, int hr, float mx = neg_inf()) {
 #pragma unroll
     for (int nt = 0; nt < Tr::S_N_TILES; ++nt) {
       mx = fmaxf(mx, fmaxf(s[mt][nt][2 * hr], s[mt][nt][2 * hr + 1]));
     }
+    return mx;
+  }
+  // The max over the quad that holds a row (its four threads' columns).
+  static __device__ __forceinline__ float quad_max(float mx) {
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
     return fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
   }

@@ -97,6 +97,19 @@ struct FlashFwdSm90Traits : FlashFeatures<FEATURES_> {
   // epilogue reuses it).
   static constexpr int PRODUCER_BARRIER = 1;
   static constexpr int CONSUMER_BARRIER_0 = 2;
+  // Softcap forms of two consumer warpgroups take turns issuing their GEMMs (FlashAttention-3's
+  // ping-pong: warpgroup w waits on PINGPONG_BARRIER_0 + w for its turn and, once its wgmmas
+  // are issued, opens the other's), so that one warpgroup's softmax runs under the other's
+  // GEMMs: tanh and exp2 of both at once would share each SM sub-partition's MUFU pipe, which
+  // one warpgroup's softmax nearly fills (MEASURED, bench/NOTES.md "Session 12": hd64
+  // 0.92-0.93x the time; hd128 / hd256 within 2%).
+  static constexpr bool PINGPONG = FlashFeatures<FEATURES_>::SOFTCAP && NUM_WG == 2;
+  static constexpr int PINGPONG_BARRIER_0 = 4;
+  // Softcap alone (Logits::MONOTONE): on tiles without a mask, each row's max is taken from
+  // the raw scores, before the tanh, so that no exp2 waits for the tanh of the whole tile.
+  // At head dims of 128 and up (MEASURED, bench/NOTES.md "Session 12": paged 0.96x, hd256
+  // causal 0.87x; hd64, where the MUFU pipe bounds the step, 1.03-1.09x: there not).
+  static constexpr bool RAW_MAX = FlashFeatures<FEATURES_>::Logits::MONOTONE && HEAD_DIM >= 128;
   // The schedule (for_each_tile): a causal block walks pairs of row tiles, a heavy one and a
   // light one.
   static constexpr bool PAIR_TILES = MASK_ == kMaskCausal;
@@ -731,6 +744,11 @@ __device__ void flash_fwd_sm90_kernel(const FlashFwdParams& p, const FlashTmaMap
                ? fetched_item<Tr>(sm, k, m_block, head, z)
                : grid_item<Tr>(p, k, m_block, head, z);
   };
+  // Tr::PINGPONG: warpgroup 0 takes the first turn (warpgroup 1 opens it), and consumes
+  // warpgroup 1's opening of a turn after the last, so that no barrier is left half-arrived.
+  if constexpr (Tr::PINGPONG) {
+    if (warp / 4 == 1) named_barrier_arrive(Tr::PINGPONG_BARRIER_0, 256);
+  }
   for_each_tile<Tr>(p, next, [&](const Sm90Block& blk, const typename Tr::Mask& mask) {
     const KeyTiles& tiles = blk.tiles;
     const int n_steps = tiles.n_steps;
@@ -788,19 +806,44 @@ __device__ void flash_fwd_sm90_kernel(const FlashFwdParams& p, const FlashTmaMap
     };
     // Step n's scores (landed): the logits hook, -inf outside the band / sequence on boundary
     // tiles, then the online softmax (P in place, alpha for the accumulator).
+    // (Tr::RAW_MAX: a tile without a mask takes each row's max from the raw scores)
     auto softmax_step = [&](int n) {
       const Lane at = lane_place();
       const int row0 = blk.m0 + warp * 16 + at.g;   // this thread's rows: row0, row0 + 8
-      hook_and_mask<Tr>(
-          s_acc, n < tiles.n_masked, tiles.tile_of(n) * BN, at.t4, mask, sk,
-          [&](int, int hr) { return row0 + hr * 8; },
-          [&](int, int) -> const typename Tr::Logits& { return hook; });
+      const bool masked = n < tiles.n_masked;
+      const int key0 = tiles.tile_of(n) * BN;
+      auto row_of = [&](int, int hr) { return row0 + hr * 8; };
+      auto hook_of = [&](int, int) -> const typename Tr::Logits& { return hook; };
+      if constexpr (Tr::RAW_MAX) {
+        if (!masked) {
+          float tile_max[1][2];
+#pragma unroll
+          for (int hr = 0; hr < 2; ++hr) {
+            tile_max[0][hr] = hook.of_max(WarpSoftmax<Tr>::thread_max(s_acc, 0, hr));
+          }
+          hook_and_mask<Tr>(s_acc, false, key0, at.t4, mask, sk, row_of, hook_of);
+          softmax.template update_scores<Tr::Mask::BAND, true>(s_acc, alpha, tile_max);
+          return;
+        }
+      }
+      hook_and_mask<Tr>(s_acc, masked, key0, at.t4, mask, sk, row_of, hook_of);
       // (MAY_BE_EMPTY: only a band can leave a visited row without keys; see flash_fwd.cuh)
       softmax.template update_scores<Tr::Mask::BAND>(s_acc, alpha);
     };
     auto pack_p = [&]() {
 #pragma unroll
       for (int kk = 0; kk < Tr::PV_K_STEPS; ++kk) WarpSoftmax<Tr>::pack_p(p_pack[0][kk], s_acc, 0, kk);
+    };
+
+    // Tr::PINGPONG: this warpgroup's turn to issue wgmmas, and the other's after it (both
+    // warpgroups walk the same row tiles' key tiles, so they take as many turns).
+    auto turn_begin = [&]() {
+      if constexpr (Tr::PINGPONG) named_barrier_sync(Tr::PINGPONG_BARRIER_0 + warp / 4, 256);
+    };
+    auto turn_end = [&]() {
+      if constexpr (Tr::PINGPONG) {
+        named_barrier_arrive(Tr::PINGPONG_BARRIER_0 + (warp / 4 ^ 1), 256);
+      }
     };
 
     // ---- the key loop: S_n in flight with O += P_{n-1} V_{n-1}; softmax of S_n under the
@@ -810,7 +853,9 @@ __device__ void flash_fwd_sm90_kernel(const FlashFwdParams& p, const FlashTmaMap
       if (!Tr::O_IN_Q) mbar_arrive(sm.q_empty());
     } else {
       wgmma_fence();
+      turn_begin();
       issue_qk(0);
+      turn_end();
       wgmma_wait<0>();
       fence_regs(s_acc[0]);
       release_k(0);
@@ -819,8 +864,10 @@ __device__ void flash_fwd_sm90_kernel(const FlashFwdParams& p, const FlashTmaMap
 #pragma unroll 1
       for (int n = 1; n < n_steps; ++n) {
         wgmma_fence();   // s_acc, p_pack and o_acc were written by ordinary instructions
+        turn_begin();
         issue_qk(n);
         issue_pv(n - 1);
+        turn_end();
         wgmma_wait<1>();   // S_n has landed
         fence_regs(s_acc[0]);
         release_k(n);
@@ -839,7 +886,9 @@ __device__ void flash_fwd_sm90_kernel(const FlashFwdParams& p, const FlashTmaMap
         pack_p();
       }
       wgmma_fence();
+      turn_begin();
       issue_pv(n_steps - 1);
+      turn_end();
       wgmma_wait<0>();
       fence_regs(o_acc[0]);
       release_v(n_steps - 1);
@@ -871,6 +920,9 @@ __device__ void flash_fwd_sm90_kernel(const FlashFwdParams& p, const FlashTmaMap
       mbar_arrive(sm.q_empty());
     }
   });
+  if constexpr (Tr::PINGPONG) {
+    if (warp / 4 == 0) named_barrier_sync(Tr::PINGPONG_BARRIER_0, 256);
+  }
 }
 
 }  // namespace cuattn

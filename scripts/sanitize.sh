@@ -43,9 +43,10 @@ command -v "$cs" > /dev/null || { echo "sanitize.sh: $cs not found (set COMPUTE_
 # sequences, GQA 1..16, fp8, ALiBi, both forms of the paged kernel (tensor-core, CUDA-core)
 # on odd groups; reshape_and_cache; merge (pair, stacked, +/-inf); CUDA-graph replays of all of them;
 # paged_prefill (both layouts, block sizes 1 and 8, few and many rows, split + sinks, every
-# hook, prefix sharing, graph replay; long chunks of both layouts on the Hopper kernel; the few-token form v1 and v2, hooks and windows, 3
-# n-tiles; fp8 caches in both layouts), NHD reshape_and_cache, the hooks on flash and on
-# both decode forms (v1 and v2, NHD block sizes 1 and 256, windows).
+# hook, prefix sharing, graph replay; long chunks of both layouts on the Hopper kernel; the
+# few-token form v1 and v2, hooks and windows, 3 n-tiles; fp8 caches in both layouts), NHD
+# reshape_and_cache, the hooks on flash (softcap alone too: the Hopper kernel's ping-pong and
+# raw-max paths) and on both decode forms (v1 and v2, NHD block sizes 1 and 256, windows).
 reduced="tests/test_merge.py
  tests/test_flash.py::test_small_against_numpy_float64
  tests/test_flash.py::test_seqlen_k_zero_and_no_key_rows
@@ -107,6 +108,8 @@ reduced="tests/test_merge.py
  tests/test_prefill.py::test_captured_in_a_cuda_graph_replays_with_new_lengths
  tests/test_prefill.py::test_flash_hooks[mma-128-False-window2-softcap+alibi+sinks]
  tests/test_prefill.py::test_flash_hooks[mma-256-True-window1-softcap+alibi+sinks]
+ tests/test_prefill.py::test_flash_hooks[wgmma-64-False-window0-softcap]
+ tests/test_prefill.py::test_flash_hooks[wgmma-128-True-window1-softcap]
  tests/test_prefill.py::test_flash_hooks[wgmma-128-False-window2-softcap+alibi+sinks]
  tests/test_prefill.py::test_flash_hooks[wgmma-256-True-window1-softcap+alibi+sinks]
  tests/test_prefill.py::test_flash_varlen_hooks_with_empty_sequences

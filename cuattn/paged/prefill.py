@@ -142,7 +142,7 @@ def flash_form_plan(q, k_cache, v_cache, block_tables, info, kv_layout, *, dtype
     # kernel multiplies the output by v_scale. (Widened times the scales, every element
     # rounded to 16 bits first: lse errors up to ~1e-2, found by the fuzz's NHD fp8 cases.)
     if fp8:
-        softmax_scale, k_scale = softmax_scale * k_scale, 1.0
+        softmax_scale *= k_scale
     os_ = A.element_strides_or_contiguous(out, q.shape)
     qs = A.element_strides(q)
     lse_shape = (nheads, total_q)
@@ -169,7 +169,7 @@ def flash_form_plan(q, k_cache, v_cache, block_tables, info, kv_layout, *, dtype
         **rows, q_stride_head=qs[1], k_stride_batch=0, v_stride_batch=0, o_stride_head=os_[1],
         lse_stride_head=ls[0], bt_stride_seq=block_tables.strides[0] // 4,
         block_shift=info.block_size.bit_length() - 1, max_blocks_per_seq=max_blocks,
-        seqlen_k=0, k_scale=k_scale, v_scale=v_scale, **cache)
+        seqlen_k=0, v_scale=v_scale, **cache)
     group = nheads // info.num_kv_heads
     device_id = q.device.id
     arch = device_info(device_id).arch

@@ -27,6 +27,9 @@ __device__ __forceinline__ float tanh_approx(float x) {
 template <bool SOFTCAP, bool ALIBI>
 struct LogitsHook {
   static constexpr bool ACTIVE = SOFTCAP || ALIBI;
+  // Softcap alone is increasing in the score and the same for every position, so the
+  // hooked max of a row is the hook of its raw max (of_max).
+  static constexpr bool MONOTONE = SOFTCAP && !ALIBI;
   float slope;     // ALiBi, in the kernel's units
   float cap_in;    // softcap: unit / cap
   float cap_out;   // softcap: cap / unit
@@ -39,6 +42,12 @@ struct LogitsHook {
     if constexpr (SOFTCAP) x = cap_out * tanh_approx(x * cap_in);
     if constexpr (ALIBI) x -= slope * fabsf(float(k_pos - q_pos));
     return x;
+  }
+
+  // MONOTONE: the max of the hooked scores from the max of the raw ones (-inf: none).
+  __device__ __forceinline__ float of_max(float raw_max) const {
+    static_assert(MONOTONE, "a hook that is increasing and the same at every position");
+    return raw_max == -__int_as_float(0x7f800000) ? raw_max : (*this)(raw_max, 0, 0);
   }
 };
 

@@ -180,5 +180,9 @@ __device__ __forceinline__ void setmaxnreg_inc() {
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" :: "r"(id), "r"(threads) : "memory");
 }
+// Arrive on barrier `id` without waiting (the threads that sync on it wait for these).
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" :: "r"(id), "r"(threads) : "memory");
+}
 
 }  // namespace cuattn

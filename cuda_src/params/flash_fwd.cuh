@@ -59,9 +59,8 @@ struct FlashFwdParams {
   float softmax_scale_inv;    // 1 / softmax_scale: ALiBi slopes and sinks in raw-score units
   float softcap_in;           // softcap: softmax_scale / cap (common/logits.cuh)
   float softcap_out;          // softcap: cap / softmax_scale
-  float k_scale, v_scale;     // fp8 caches: K and V are e4m3 values times these (else 1); the
-                              // kernel reads v_scale only (the host folds k_scale into the
-                              // softmax scale, k_scale 1 here)
+  float v_scale;              // fp8 caches: V is e4m3 values times this (else 1); the host
+                              // folds K's scale into the softmax scale
   int m_blocks;               // row tiles per (head, batch x split): ceil(rows / BLOCK_M) (the Hopper kernel's schedule)
 };
 
