@@ -4,9 +4,11 @@ use (NVRTC, one CPU core each) compile in parallel, on a GPU machine:
 
     python3 scripts/pytest_shards.py -n 12 --logdir /tmp/shards [--timeout 400] -- PYTEST_ARGS...
 
-The selection (PYTEST_ARGS: files, node ids, -m / -k) is collected once and dealt round-robin
-to the shards (neighbouring parametrizations, which share kernels, land on different shards;
-the locked disk cache compiles each kernel once). The other options in PYTEST_ARGS (-rfE,
+The selection (PYTEST_ARGS: files, node ids, -m / -k) is collected once and dealt to the shards
+in runs of CHUNK neighbouring ids, round-robin: neighbouring parametrizations mostly share
+their kernels, which one shard then compiles, and a family of large tests is spread over
+shards that reach it at different times (each shard's tests return CuPy's cached blocks to
+the device, tests/conftest.py, but N at once still share one GPU's memory). The other options in PYTEST_ARGS (-rfE,
 --maxfail=N, ...: with a value, as --name=value) go to every shard. Shard i writes
 LOGDIR/shard<i>.txt. Printed: each shard's exit code and pytest summary line, every FAILED /
 ERROR line, the totals. A shard still running at --timeout seconds is killed and reported so
@@ -22,6 +24,7 @@ import time
 from pathlib import Path
 
 PYTEST = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider"]
+CHUNK = 8
 COUNTS = re.compile(r"(\d+) (passed|failed|skipped|deselected|errors?|xfailed|xpassed)")
 
 
@@ -60,7 +63,8 @@ def main() -> int:
         sys.exit("no test collected")
     options = shard_options(args)
     a.logdir.mkdir(parents=True, exist_ok=True)
-    shards = [ids[i::a.n] for i in range(min(a.n, len(ids)))]
+    runs = [ids[i:i + CHUNK] for i in range(0, len(ids), CHUNK)]
+    shards = [[t for run in runs[i::a.n] for t in run] for i in range(min(a.n, len(runs)))]
     start = time.perf_counter()
     procs = []
     for i, shard in enumerate(shards):

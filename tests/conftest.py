@@ -33,6 +33,17 @@ def _isolated_cache(tmp_path_factory, monkeypatch):
         monkeypatch.setenv("CUATTN_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "cache"))
 
 
+@pytest.fixture(autouse=True)
+def _release_device_memory(request):
+    """After each GPU test, CuPy's pool gives its cached blocks back to the device, so that
+    test processes sharing one GPU (scripts/pytest_shards.py) do not starve each other."""
+    yield
+    if HAS_GPU and "gpu" in request.keywords:
+        import cupy
+        cupy.get_default_memory_pool().free_all_blocks()
+        cupy.get_default_pinned_memory_pool().free_all_blocks()
+
+
 @pytest.fixture
 def rng(request):
     """Fresh random data every run; the seed is printed so a failure can be replayed."""
