@@ -22,6 +22,8 @@ blocks). Kernel-only times (CUDA-graph replays, harness.median_ms graph=...) for
 """
 from __future__ import annotations
 
+import statistics
+
 import cupy
 import numpy as np
 
@@ -41,6 +43,7 @@ GRAPH_CALLS, GRAPH_REPS = 3, 10
 # The prefill rows are compute-bound and compared across kernels: each measurement first runs
 # untimed this long, so that each is timed at sustained clocks (bench/NOTES.md, session 7).
 SETTLE_S = 0.3
+HOOK_ROUNDS = 3
 
 
 class PagedCase:
@@ -150,8 +153,20 @@ def verify_rows(ceilings, quick: bool) -> list[dict]:
     return rows
 
 
+def _rounds_ms(calls: dict) -> dict:
+    """Each call's median over HOOK_ROUNDS rounds of settled graph times, the calls taken in
+    turn within a round, so that a drift of the clocks lands on all of them alike (one
+    measurement of the call without a hook, taken first, once read 17% slow)."""
+    times = {name: [] for name in calls}
+    for _ in range(HOOK_ROUNDS):
+        for name, fn in calls.items():
+            times[name].append(_graph_ms(fn, settle_s=SETTLE_S))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def hook_rows(quick: bool) -> list[dict]:
-    """Each hook against the same call without it (kernel-only, each measurement settled)."""
+    """Each hook against the same call without it (kernel-only, each measurement settled,
+    HOOK_ROUNDS rounds of the call and its hooked forms in turn)."""
     rows = []
     sinks = cupy.random.uniform(-1, 2, NUM_HEADS).astype(np.float32)
     def hooks(ctx, right=0):
@@ -161,23 +176,23 @@ def hook_rows(quick: bool) -> list[dict]:
     if not quick:
         cases.append(("verify 4 new, 64 x ctx 4096", PagedCase(64, 4096, 4, "vllm", 16)))
     for name, case in cases:
-        base = _graph_ms(case.prefill(), settle_s=SETTLE_S)
-        for hook, kw in hooks(case.ctx):
-            ms = _graph_ms(case.prefill(**kw), settle_s=SETTLE_S)
-            rows.append({"call": f"paged_prefill {name}", "hook": hook, "us": ms * 1e3,
-                         "without us": base * 1e3, "cost": ms / base - 1})
+        ms = _rounds_ms({None: case.prefill(),
+                         **{hook: case.prefill(**kw) for hook, kw in hooks(case.ctx)}})
+        base = ms.pop(None)
+        rows += [{"call": f"paged_prefill {name}", "hook": hook, "us": t * 1e3,
+                  "without us": base * 1e3, "cost": t / base - 1} for hook, t in ms.items()]
         del case
     q, k, v = (randn(4, 4096, 32, 128) for _ in range(3))
     out = cupy.empty_like(q)
     for causal in (False, True):
         call = dict(causal=causal, out=out)
-        base = _graph_ms(lambda: cuattn.flash_forward(q, k, v, **call), settle_s=SETTLE_S)
-        for hook, kw in hooks(4096, 0 if causal else 4096):
-            ms = _graph_ms(lambda kw=kw: cuattn.flash_forward(q, k, v, **call, **kw),
-                           settle_s=SETTLE_S)
-            rows.append({"call": f"flash_forward hd128 S4096 B4 {'causal' if causal else 'full'}",
-                         "hook": hook, "us": ms * 1e3, "without us": base * 1e3,
-                         "cost": ms / base - 1})
+        ms = _rounds_ms({None: lambda: cuattn.flash_forward(q, k, v, **call),
+                         **{hook: lambda kw=kw: cuattn.flash_forward(q, k, v, **call, **kw)
+                            for hook, kw in hooks(4096, 0 if causal else 4096)}})
+        base = ms.pop(None)
+        rows += [{"call": f"flash_forward hd128 S4096 B4 {'causal' if causal else 'full'}",
+                  "hook": hook, "us": t * 1e3, "without us": base * 1e3, "cost": t / base - 1}
+                 for hook, t in ms.items()]
     return rows
 
 
