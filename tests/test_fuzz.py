@@ -61,14 +61,16 @@ FUNCS = ("flash_forward", "flash_varlen_forward", "merge_attn_states", "merge_st
 # rule) + 13 hooked (2 hook sets x 3 masks x 2 splits + a combine with sinks);
 # paged_attention 6 + 3 + 4 x 3 (v1, v2, reduce of six configurations, one of them every
 # partition); paged_prefill 3 families x (2 masks x 2 splits x 4 tile classes + a
-# combine). Host seconds of one core for the data, the float64 references and the checks
+# combine) on the flash form, and the few-token form's kernels of its short cases (block
+# size, query heads per block and tokens vary by case; v1 and every v2 partition where the
+# library picks: a superset): 108-154 in all for seeds 0-7. Host seconds of one core for the data, the float64 references and the checks
 # (the bulk of a GPU run), from per-function cost models calibrated on the CPU machine
 # (measured before the hooks and paged_prefill: flash 5-6.5 s per test, paged 5-7 s, merges
 # ~1 s, reshape_and_cache ~2 s; ~20 s in all). With them the models give, for seeds 0-7:
 # flash 4-9 s a test, paged_attention 7-13 s (its fp8 cases, now modelled at their cost),
 # paged_prefill 5.5-6.5 s; 28-36 s in all.
 KERNEL_BUDGET = {"flash": 52, "paged_attention": 21, "merge_attn_states": 6,
-                 "merge_states": 6, "reshape_and_cache": 8, "paged_prefill": 51}
+                 "merge_states": 6, "reshape_and_cache": 8, "paged_prefill": 170}
 HOST_S_BUDGET = {"flash_forward": 11, "flash_varlen_forward": 11, "merge_attn_states": 2,
                  "merge_states": 2, "paged_attention": 15, "reshape_and_cache": 3,
                  "paged_prefill": 9}
@@ -1270,11 +1272,35 @@ def call_prefill(p, c, rng):
     return _flash_result(res, p, out, store, outside)
 
 
+def _few_token_kernels(p, max_sq):
+    """The few-token form's (paged/prefill.py _decode_plan): v1 and v2's kernels, every
+    partition where the library picks (num_splits 0), else the call's."""
+    tokens, group = tuning.paged_multi_token(p["hs"], p["gqa"], max_sq)
+
+    def key(ps):
+        return tuning.paged_mma_variant(p["dtype"], p["hs"], p["bs"], group, ps, tokens=tokens,
+                                        alibi=p["alibi"], softcap=p["softcap"] > 0,
+                                        sinks=p["sinks"], nhd=p["layout"] == "nhd")
+    n = p["num_splits"]
+    if n == 1:
+        return [key(0)]
+    max_context = (max(-(-c // p["bs"]) for c in p["ctx"]) + p["extra_table"]) * p["bs"]
+    parts = tuning.PAGED_PARTITION_SIZES if n == 0 else \
+        [next((ps for ps in tuning.PAGED_PARTITION_SIZES if -(-max_context // ps) <= n),
+              max(tuning.PAGED_PARTITION_SIZES))]
+    return [key(0)] * (n == 0) + [key(ps) for ps in parts] + \
+        [tuning.paged_reduce_variant(p["dtype"], p["hs"], sinks=p["sinks"])]
+
+
 def kernels_prefill(p, arch):
-    """What kernels_flash enumerates, for tuning.paged_prefill_variant."""
+    """The few-token form's kernels where the call takes it (tuning.paged_prefill_form), else
+    what kernels_flash enumerates, for tuning.paged_prefill_variant."""
     max_sq = max(p["lens_q"]) + p["extra_max"]
     if max_sq == 0:
         return []
+    total_q = sum(p["lens_q"]) + p["pad_q"]
+    if tuning.paged_prefill_form(_cache_kind(p), p["hs"], max_sq, total_q) == "decode":
+        return _few_token_kernels(p, max_sq)
     mask, features = _mask_of(p), _features(p)
     kv = KV_PAGED_NHD if p["layout"] == "nhd" else KV_PAGED_VLLM
     hopper = tuning.paged_prefill_path(arch, p["hs"], p["layout"], p["bs"],
