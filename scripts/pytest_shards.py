@@ -6,13 +6,13 @@ use (NVRTC, one CPU core each) compile in parallel, on a GPU machine:
 
 The selection (PYTEST_ARGS: files, node ids, -m / -k) is collected once and dealt to the shards
 in runs of CHUNK neighbouring ids, round-robin: neighbouring parametrizations mostly share
-their kernels, which one shard then compiles, and a family of large tests is spread over
-shards that reach it at different times (each shard's tests return CuPy's cached blocks to
-the device, tests/conftest.py, but N at once still share one GPU's memory). The other options in PYTEST_ARGS (-rfE,
---maxfail=N, ...: with a value, as --name=value) go to every shard. Shard i writes
-LOGDIR/shard<i>.txt. Printed: each shard's exit code and pytest summary line, every FAILED /
-ERROR line, the totals. A shard still running at --timeout seconds is killed and reported so
-(its log holds how far it got). Exits 0 only when every shard exited 0.
+their kernels, which one shard then compiles, and a family of large tests is spread over shards
+that reach it at different times (each shard's tests return CuPy's cached blocks to the device,
+tests/conftest.py, but N at once still share one GPU's memory). The other options in
+PYTEST_ARGS (-rfE, --maxfail=N, ...: with a value, as --name=value) go to every shard. Shard i
+writes LOGDIR/shard<i>.txt. Printed: each shard's exit code and pytest summary line, every
+FAILED / ERROR line, the totals. A shard still running at --timeout seconds is killed and
+reported so (its log holds how far it got). Exits 0 only when every shard exited 0.
 """
 from __future__ import annotations
 

@@ -16,7 +16,8 @@ and every given out= is one, so reads and writes outside the views show up. A fr
 attention cases carry the hooks (softcap, ALiBi slopes, sinks; for paged_attention also
 windows and the NHD layout); paged_prefill's cases mix both cache layouts, 16-bit and fp8
 caches, speculative and chunk-sized queries, shared prefixes and every hook, each paged cache
-holding NaN wherever a sequence must not read (past its length, unreferenced blocks, table entries past its end).
+holding NaN wherever a sequence must not read (past its length, unreferenced blocks, table
+entries past its end).
 
 CPU part: the generators, references and checks run against an oracle (the rounded
 reference must pass, a perturbed one must fail), and the default N cases of fixed seeds stay
@@ -54,21 +55,21 @@ FUNCS = ("flash_forward", "flash_varlen_forward", "merge_attn_states", "merge_st
          "paged_attention", "reshape_and_cache", "paged_prefill")
 
 # Budgets at the default N (checked on the CPU for fixed seeds). Kernel variants per function
-# (flash_forward and flash_varlen_forward share theirs; bounded by construction: small sets
-# of kernel-defining values), compiled in parallel before the cases run (~1-1.5 s each with
+# (flash_forward and flash_varlen_forward share theirs; bounded by construction: small sets of
+# kernel-defining values), compiled in parallel before the cases run (~1-1.5 s each with
 # NVRTC). The bounds: flash 39 plain (2 dtypes x hd 64 / 128 x 3 masks x 2 splits + combines,
-# the run's odd head dim, and hd64 causal on both of its tile sets: tuning's short causal
-# rule) + 13 hooked (2 hook sets x 3 masks x 2 splits + a combine with sinks);
-# paged_attention 6 + 3 + 4 x 3 (v1, v2, reduce of six configurations, one of them every
-# partition); paged_prefill 3 families x (2 masks x 2 splits x 4 tile classes + a
-# combine) on the flash form, and the few-token form's kernels of its short cases (block
-# size, query heads per block and tokens vary by case; v1 and every v2 partition where the
-# library picks: a superset): 108-154 in all for seeds 0-7. Host seconds of one core for the data, the float64 references and the checks
+# the run's odd head dim, and hd64 causal on both of its tile sets: tuning's short causal rule)
+# + 13 hooked (2 hook sets x 3 masks x 2 splits + a combine with sinks); paged_attention 6 + 3
+# + 4 x 3 (v1, v2, reduce of six configurations, one of them every partition); paged_prefill 3
+# families x (2 masks x 2 splits x 4 tile classes + a combine) on the flash form, and the
+# few-token form's kernels of its short cases (block size, query heads per block and tokens
+# vary by case; v1 and every v2 partition where the library picks: a superset): 108-154 in all
+# for seeds 0-7. Host seconds of one core for the data, the float64 references and the checks
 # (the bulk of a GPU run), from per-function cost models calibrated on the CPU machine
-# (measured before the hooks and paged_prefill: flash 5-6.5 s per test, paged 5-7 s, merges
-# ~1 s, reshape_and_cache ~2 s; ~20 s in all). With them the models give, for seeds 0-7:
-# flash 4-9 s a test, paged_attention 7-13 s (its fp8 cases, now modelled at their cost),
-# paged_prefill 5.5-6.5 s; 28-36 s in all.
+# (measured before the hooks and paged_prefill: flash 5-6.5 s per test, paged 5-7 s, merges ~1
+# s, reshape_and_cache ~2 s; ~20 s in all). With them the models give, for seeds 0-7: flash 4-9
+# s a test, paged_attention 7-13 s (its fp8 cases, now modelled at their cost), paged_prefill
+# 5.5-6.5 s; 28-36 s in all.
 KERNEL_BUDGET = {"flash": 52, "paged_attention": 21, "merge_attn_states": 6,
                  "merge_states": 6, "reshape_and_cache": 8, "paged_prefill": 170}
 HOST_S_BUDGET = {"flash_forward": 11, "flash_varlen_forward": 11, "merge_attn_states": 2,
@@ -793,6 +794,20 @@ def _gather(c, layout, s, k_scale=1.0, v_scale=1.0):
     return _cache_float(k, k_scale), _cache_float(v, v_scale)
 
 
+def _fp8_scales(rng):
+    """(k_scale, v_scale) of a case: fp8 dequantisation (ignored for 16-bit caches, so drawn
+    there too)."""
+    return tuple(round(float(np.exp(rng.uniform(np.log(0.02), np.log(2.0)))), 4) for _ in "kv")
+
+
+def _quantise_caches(c, p):
+    """fp8 caches (p["cache"] "e4m3" or "u8") of the 16-bit ones _paged_cache wrote: x / scale
+    in e4m3, clipped to +/-448 (NaN slots stay NaN)."""
+    for n, sc in (("k_cache", p["k_scale"]), ("v_cache", p["v_scale"])):
+        x = np.clip(c[n].astype(np.float32) / np.float32(sc), -448, 448).astype(E4M3)
+        c[n] = x.view(np.uint8) if p["cache"] == "u8" else x
+
+
 # ---- paged_attention ------------------------------------------------------------------------
 
 def _paged_config(rng, core, partition=None, hooked=False):
@@ -875,8 +890,7 @@ def gen_paged(rng, pal):
         values = "normal"
     values = _hook_values(p, values)
     fp8 = p["cache"] != "same"
-    # scales: fp8 dequantisation (ignored for 16-bit caches, so random there too)
-    ks, vs = (round(float(np.exp(rng.uniform(np.log(0.02), np.log(2.0)))), 4) for _ in "kv")
+    ks, vs = _fp8_scales(rng)
     scale = None if rng.random() < 0.7 else round(float(rng.uniform(0.02, 0.3)), 4)
     if values in ("big", "offset"):      # integer q, k: softmax_scale * k_scale * log2(e) = 2^-a
         ks = 4.0 if fp8 else ks
@@ -931,10 +945,8 @@ def build_paged(p, rng):
         c = _paged_cache(rng, p["lens"], nkv=p["nkv"], hs=p["hs"], bs=p["bs"],
                          dtype=p["dtype"], layout="nhd", extra_table=p["extra_table"],
                          values=p["values"])
-        if p["cache"] != "same":         # fp8: x / scale in e4m3 (NaN slots stay NaN)
-            for n, sc in (("k_cache", p["k_scale"]), ("v_cache", p["v_scale"])):
-                x = np.clip(c[n].astype(np.float32) / np.float32(sc), -448, 448).astype(E4M3)
-                c[n] = x.view(np.uint8) if p["cache"] == "u8" else x
+        if p["cache"] != "same":
+            _quantise_caches(c, p)
         c["q"] = _q_values(rng, (len(p["lens"]), h, p["hs"]), p["values"], DT[p["dtype"]])
         c["alibi_slopes"] = _alibi_std(h) if p["alibi"] else None
     else:
@@ -1212,8 +1224,7 @@ def gen_prefill(rng, pal):
     if values == "vmax" and p["dtype"] != "f16" or p["cache"] != "same":
         values = "normal"                # fp8: integers / k_scale are no longer exact
     values = _hook_values(p, values)
-    # fp8 dequantisation scales (ignored for 16-bit caches, so random there too)
-    ks, vs = (round(float(np.exp(rng.uniform(np.log(0.02), np.log(2.0)))), 4) for _ in "kv")
+    ks, vs = _fp8_scales(rng)
     p.update(values=values, scale=_scale(rng, values, p["hs"]), k_scale=ks, v_scale=vs,
              num_splits=int(_pick(rng, (0, 1, 2, 3, 4, 8, 16, 64),
                                   p=[0.3, 0.25, 0.1, 0.1, 0.1, 0.05, 0.05, 0.05])),
@@ -1229,10 +1240,8 @@ def build_prefill(p, rng):
                      layout=p["layout"], extra_table=p["extra_table"], shared=p["shared"],
                      values=p["values"])
     fp8 = p["cache"] != "same"
-    if fp8:                              # x / scale in e4m3 (NaN slots stay NaN)
-        for n, sc in (("k_cache", p["k_scale"]), ("v_cache", p["v_scale"])):
-            x = np.clip(c[n].astype(np.float32) / np.float32(sc), -448, 448).astype(E4M3)
-            c[n] = x.view(np.uint8) if p["cache"] == "u8" else x
+    if fp8:
+        _quantise_caches(c, p)
     scales = (p["k_scale"], p["v_scale"]) if fp8 else (1.0, 1.0)
     cu = _cu(p["lens_q"])
     c["q"] = _q_values(rng, (cu[-1] + p["pad_q"], h, p["hs"]), p["values"], DT[p["dtype"]])
@@ -1274,7 +1283,8 @@ def call_prefill(p, c, rng):
 
 def _few_token_kernels(p, max_sq):
     """The few-token form's (paged/prefill.py _decode_plan): v1 and v2's kernels, every
-    partition where the library picks (num_splits 0), else the call's."""
+    partition where the library picks (num_splits 0), else the call's (_decode_plan's rule,
+    written again here)."""
     tokens, group = tuning.paged_multi_token(p["hs"], p["gqa"], max_sq)
 
     def key(ps):
@@ -1494,8 +1504,9 @@ def _hook_kinds(fn, p):
                                 "paged_prefill"])
 def test_hooked_cases_on_cpu_with_an_oracle(fn):
     """The generic oracle test on cases that carry hooks (and, for paged_attention, windows
-    and the NHD layout; for paged_prefill the NHD layout and fp8 caches): every kind occurs in the default N cases, and the first cases of
-    each kind pass for the rounded reference and fail for a perturbed one."""
+    and the NHD layout; for paged_prefill the NHD layout and fp8 caches): every kind occurs in
+    the default N cases, and the first cases of each kind pass for the rounded reference and
+    fail for a perturbed one."""
     spec = SPECS[fn]
     cases = _cases(fn, 11, range(DEFAULT_CASES))
     want = {"softcap", "alibi", "sinks"} | ({"window", "nhd"} if fn == "paged_attention" else
