@@ -13,7 +13,7 @@ parallel threads); a variant neither ships compiles at its first call, outside t
 
 Each configuration builds its inputs once; both trees run on those same inputs (each into
 its own output). Each tree's call is captured once in a CUDA graph (``harness.CupyGraph``:
-``calls`` back-to-back calls per replay), then ``ROUNDS`` rounds alternate the trees
+``calls`` back-to-back calls per replay), then ``ROUNDS`` (--rounds) rounds alternate the trees
 (old, new / new, old / ...), each round one replay median per tree; a tree's time is the
 median of its rounds. Kernel-only on both sides, so the host path never enters. Decode and
 split-KV flash (memory-bound shapes) replay one call after a clean L2 flush
@@ -28,7 +28,8 @@ sequences of mixed lengths, 16384 tokens), the decode suite's (kv heads 8 and 32
 CONFIGS, v1 / v2 / auto), fp8 decode (the CUDA-core form), the merge suite's, and
 merge_states with 4 states; "verify" (not run by default): paged_prefill with 2 / 4 / 8
 new tokens per sequence, the prefill suite's verify rows; "hooks" (not run by default):
-softcap beside the same calls without it (hook_cases).
+softcap beside the same calls without it (hook_cases); "windows" (not run by default):
+flash_forward with sliding windows beside the causal call (window_cases).
 """
 from __future__ import annotations
 
@@ -230,6 +231,35 @@ def hook_cases(quick: bool) -> Iterator[Case]:
                        make_paged, calls=3)
 
 
+# (head dim, seqlen, causal, window_size): a causal call, and windows that cover every key
+# (run as the causal kernel where the host drops the side), all keys but one (the window
+# form over the causal call's keys), and windows that exclude keys.
+WINDOWS = ((128, 4096, True, (-1, -1)), (128, 4096, True, (4095, 0)),
+           (128, 4096, True, (4094, 0)), (128, 4096, True, (1024, 0)),
+           (128, 4096, False, (256, 256)), (128, 4096, False, (1024, -1)),
+           (64, 4096, True, (-1, -1)), (64, 4096, True, (4094, 0)), (64, 4096, True, (1024, 0)),
+           (256, 4096, True, (-1, -1)), (256, 4096, True, (4094, 0)),
+           (128, 16384, True, (-1, -1)), (128, 16384, True, (4096, 0)))
+
+
+def window_cases(quick: bool) -> Iterator[Case]:
+    """flash_forward (the flash suite's shapes) with the windows of WINDOWS (quick: hd128
+    at S 4096)."""
+    inputs = {}
+    for d, s, causal, window in WINDOWS:
+        if quick and (d, s) != (128, 4096):
+            continue
+        if (d, s) not in inputs:
+            inputs = {(d, s): suite_flash.standard_inputs(d, s)}
+        q, k, v = inputs[(d, s)]
+
+        def make(ca, q=q, k=k, v=v, causal=causal, window=window):
+            out = cupy.empty_like(q)
+            return (lambda: ca.flash_forward(q, k, v, causal=causal, window_size=window,
+                                             out=out)), out
+        yield Case("windows", f"{suite_flash.label(d, s, causal)} window {window}", make)
+
+
 def cases(suites: list[str], quick: bool, new) -> Iterator[Case]:
     if "flash" in suites:
         yield from flash_cases(quick)
@@ -244,6 +274,8 @@ def cases(suites: list[str], quick: bool, new) -> Iterator[Case]:
         yield from verify_cases(quick)
     if "hooks" in suites:
         yield from hook_cases(quick)
+    if "windows" in suites:
+        yield from window_cases(quick)
 
 
 def _max_diff(a, b) -> float | None:
@@ -252,7 +284,7 @@ def _max_diff(a, b) -> float | None:
     return float(cupy.abs(a.astype(np.float32) - b.astype(np.float32)).max())
 
 
-def ab_one(case: Case, trees: dict, flush: L2Flush) -> dict:
+def ab_one(case: Case, trees: dict, flush: L2Flush, rounds: int = ROUNDS) -> dict:
     """Time one case on every tree: capture each, then interleaved rounds of replays."""
     graphs, outs, notes = {}, {}, []
     for name, tree in trees.items():
@@ -265,7 +297,7 @@ def ab_one(case: Case, trees: dict, flush: L2Flush) -> dict:
     times: dict[str, list[float]] = {name: [] for name in graphs}
     order = list(graphs)
     n_warmup, n_repeat = REPLAYS[case.flush]
-    for r in range(ROUNDS):
+    for r in range(rounds):
         for name in order if r % 2 == 0 else order[::-1]:
             times[name].append(1e3 * graphs[name].median_ms(
                 n_warmup=n_warmup, n_repeat=n_repeat, flush=flush if case.flush else None))
@@ -365,8 +397,10 @@ def main(argv=None) -> int:
     parser.add_argument("--old", required=True, type=Path,
                         help="directory holding cuattn_old/ and cuda_src/ (scripts/ab_prepare.sh)")
     parser.add_argument("--suites", nargs="+", default=["flash", "decode", "merge"],
-                        choices=["flash", "decode", "merge", "verify", "hooks"])
+                        choices=["flash", "decode", "merge", "verify", "hooks", "windows"])
     parser.add_argument("--quick", action="store_true", help="a few configurations per suite")
+    parser.add_argument("--rounds", type=int, default=ROUNDS,
+                        help=f"interleaved rounds per configuration (default {ROUNDS})")
     parser.add_argument("--json", help="write the rows and the summary to this file")
     parser.add_argument("--no-precompile", action="store_true",
                         help="skip the precompile step (first calls compile on demand)")
@@ -380,7 +414,7 @@ def main(argv=None) -> int:
     rows = []
     t0 = time.perf_counter()
     for case in cases(args.suites, args.quick, trees["new"]):
-        rows.append(ab_one(case, trees, flush))
+        rows.append(ab_one(case, trees, flush, args.rounds))
         r = rows[-1]
         print(f"{r['suite']:12s} {r['config']:48s} old {r['old us'] or float('nan'):10.1f} us  "
               f"new {r['new us'] or float('nan'):10.1f} us  {r['flag']}", flush=True)

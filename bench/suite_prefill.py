@@ -7,7 +7,7 @@ blocks). Kernel-only times (CUDA-graph replays, harness.median_ms graph=...) for
   (batch = 16384 // CHUNK, so about 16k new tokens run), layouts vllm/16, nhd/16, nhd/64,
   beside flash_varlen_forward on the same K/V laid out contiguously (causal, bottom-right).
   FLOPs = 4 * H * D * (keys each new token sees), summed. "varlen/paged" > 0.95 is the
-  target: what paging costs. On Hopper both run the Hopper kernel where it takes the call
+  target: what paging costs (the four calls of a context in HOOK_ROUNDS rounds, in turn). On Hopper both run the Hopper kernel where it takes the call
   (both layouts; tuning.paged_prefill_path), and "mma.sync us" is the same paged call forced
   onto the mma.sync kernel (tuning.override(flash_path="mma"); the kernel before it).
 - verify: 2, 4, 8 new tokens per sequence, batch 32 and 64, contexts 4k and 16k, vllm/16,
@@ -15,8 +15,9 @@ blocks). Kernel-only times (CUDA-graph replays, harness.median_ms graph=...) for
   so K/V come from memory. "% read BW": K+V bytes / time over the read ceiling of this run.
   paged_prefill runs its few-token form (multi-token decode); "flash-form us" is the same
   call forced onto the flash kernel (tuning.override(prefill_form="flash")).
-- hooks: softcap 30, sinks, and a window that covers every key (the cost of the window
-  code, not of fewer keys) against the same call without them.
+- hooks: softcap 30, sinks, and a window of every key but one (the last row's first key; the
+  cost of the window code, not of fewer keys; a window of every key runs as the call
+  without it) against the same call without them.
 
     python bench/run.py --suite prefill [--quick]
 """
@@ -102,26 +103,27 @@ def _graph_ms(fn, flush=False, settle_s=0.0) -> float:
 
 
 def prefill_rows(quick: bool) -> list[dict]:
+    """Per context: flash_varlen_forward and the three layouts' paged_prefill in HOOK_ROUNDS
+    rounds, taken in turn (_rounds_ms); then each layout once on the mma.sync kernel."""
     rows = []
     for ctx in (QUICK_PREFILL_CONTEXTS if quick else PREFILL_CONTEXTS):
         batch = 16384 // CHUNK
-        varlen_ms = None
-        for layout, bs in PREFILL_LAYOUTS:
-            case = PagedCase(batch, ctx, CHUNK, layout, bs, contiguous=varlen_ms is None)
-            if varlen_ms is None:
-                varlen_ms = _graph_ms(lambda: cuattn.flash_varlen_forward(
-                    case.q, case.k, case.v, case.cu_q, case.cu_k, CHUNK, ctx, causal=True,
-                    out=case.out), settle_s=SETTLE_S)
-                del case.k, case.v
-            ms = _graph_ms(case.prefill(), settle_s=SETTLE_S)
+        cases = {f"{layout}/{bs}": PagedCase(batch, ctx, CHUNK, layout, bs, contiguous=i == 0)
+                 for i, (layout, bs) in enumerate(PREFILL_LAYOUTS)}
+        first = next(iter(cases.values()))      # its K/V also contiguous: the varlen call's
+        ms = _rounds_ms({"varlen": lambda: cuattn.flash_varlen_forward(
+            first.q, first.k, first.v, first.cu_q, first.cu_k, CHUNK, ctx, causal=True,
+            out=first.out), **{name: case.prefill() for name, case in cases.items()}})
+        varlen_ms = ms.pop("varlen")
+        for name, case in cases.items():
             with tuning.override(flash_path="mma"):
                 mma_ms = _graph_ms(case.prefill(), settle_s=SETTLE_S)
-            rows.append({"config": f"{batch} x {CHUNK} new / ctx {ctx}", "layout": f"{layout}/{bs}",
-                         "paged us": ms * 1e3, "varlen us": varlen_ms * 1e3,
-                         "paged TFLOP/s": case.flops / ms / 1e9,
-                         "varlen/paged": varlen_ms / ms, "mma.sync us": mma_ms * 1e3})
-            del case
-            cupy.get_default_memory_pool().free_all_blocks()
+            rows.append({"config": f"{batch} x {CHUNK} new / ctx {ctx}", "layout": name,
+                         "paged us": ms[name] * 1e3, "varlen us": varlen_ms * 1e3,
+                         "paged TFLOP/s": case.flops / ms[name] / 1e9,
+                         "varlen/paged": varlen_ms / ms[name], "mma.sync us": mma_ms * 1e3})
+        del cases, first, case
+        cupy.get_default_memory_pool().free_all_blocks()
     return rows
 
 
@@ -171,7 +173,7 @@ def hook_rows(quick: bool) -> list[dict]:
     sinks = cupy.random.uniform(-1, 2, NUM_HEADS).astype(np.float32)
     def hooks(ctx, right=0):
         return (("softcap 30", dict(softcap=30.0)), ("sinks", dict(sinks=sinks)),
-                ("window, all keys", dict(window_size=(ctx, right))))
+                ("window, all keys but one", dict(window_size=(ctx - 2, right))))
     cases = [("prefill 8 x 2048 / ctx 16384 nhd/16", PagedCase(8, 16384, CHUNK, "nhd", 16))]
     if not quick:
         cases.append(("verify 4 new, 64 x ctx 4096", PagedCase(64, 4096, 4, "vllm", 16)))
@@ -188,7 +190,7 @@ def hook_rows(quick: bool) -> list[dict]:
         call = dict(causal=causal, out=out)
         ms = _rounds_ms({None: lambda: cuattn.flash_forward(q, k, v, **call),
                          **{hook: lambda kw=kw: cuattn.flash_forward(q, k, v, **call, **kw)
-                            for hook, kw in hooks(4096, 0 if causal else 4096)}})
+                            for hook, kw in hooks(4096, 0 if causal else 4094)}})
         base = ms.pop(None)
         rows += [{"call": f"flash_forward hd128 S4096 B4 {'causal' if causal else 'full'}",
                   "hook": hook, "us": t * 1e3, "without us": base * 1e3, "cost": t / base - 1}

@@ -164,7 +164,7 @@ def _fixed_plan(arrays, causal, softmax_scale, window_size, softcap, return_lse,
     return _plan(Call(
         device_id=device_id, dtype=dtype, q=q, nheads_kv=k.shape[-2], out=out,
         lse_shape=lse_shape if return_lse else None, num_args=6, out_arg=5,
-        args=dict(q=0, k=1, v=2, alibi_slopes=3, sinks=4), causal=bool(causal),
+        args=dict(q=0, k=1, v=2, alibi_slopes=3, sinks=4),
         softmax_scale=softmax_scale, left=left, right=right, num_splits=num_splits,
         features=features, softcap=softcap, batch=batch, max_sq=sq, max_sk=sk,
         total_q=batch * sq, fields=fields, qkv=(q, k, v)))
@@ -211,21 +211,13 @@ def _varlen_plan(arrays, max_seqlen_q, max_seqlen_k, causal, softmax_scale, wind
         device_id=device_id, dtype=dtype, q=q, nheads_kv=k.shape[-2], out=out,
         lse_shape=lse_shape if return_lse else None, num_args=8, out_arg=7,
         args=dict(q=0, k=1, v=2, cu_seqlens_q=3, cu_seqlens_k=4, alibi_slopes=5, sinks=6),
-        causal=bool(causal), softmax_scale=softmax_scale, left=left, right=right,
+        softmax_scale=softmax_scale, left=left, right=right,
         num_splits=num_splits, features=features, softcap=softcap, batch=batch,
         max_sq=max_seqlen_q, max_sk=max_seqlen_k, total_q=total_q, fields=fields,
         qkv=(q, k, v)))
 
 
 # ---- the plan -------------------------------------------------------------------------------
-
-def _window_params(left, right, max_sq, max_sk):
-    """Window bounds for the kernel: -1 (unbounded) becomes a value no row can reach."""
-    unbounded = max_sq + max_sk + 1
-    left = unbounded if left < 0 or left > unbounded else left
-    right = unbounded if right < 0 or right > unbounded else right
-    return left, right
-
 
 @dataclass(frozen=True)
 class Call:
@@ -240,9 +232,8 @@ class Call:
     num_args: int               # array arguments of the call; out= is argument out_arg
     out_arg: int
     args: dict                  # params pointer field -> index of the argument holding it
-    causal: bool
     softmax_scale: float
-    left: int
+    left: int                   # the checked window (causal: right 0)
     right: int
     num_splits: int             # 0: the tuning rule's choice
     features: int               # FEAT_* bits
@@ -260,20 +251,25 @@ class Call:
     qkv: tuple | None = None
 
 
-def _mask_kind(causal: bool, left: int, right: int) -> int:
-    """causal alone = the causal variant; causal with a left bound, or any bound = a window."""
-    if causal and left < 0:
-        return MASK_CAUSAL
-    if left >= 0 or right >= 0:
-        return MASK_WINDOW
-    return MASK_NONE
+def _mask_and_bounds(left: int, right: int, max_sq: int, max_sk: int) -> tuple[int, int, int]:
+    """(mask kind, left, right) for the kernel from a checked window (-1 = unbounded; a
+    causal call's is (left, 0)). A side that excludes no key is dropped first, as
+    FlashAttention-2 drops it (exact: query i of a sequence sits at p = sk - sq + i, so
+    every key j >= p - left once left >= max_sk - 1, and j <= p + right once right >=
+    max_sq - 1). Then (-1, 0) is the causal kernel, (-1, -1) the unmasked one and any other
+    a window. An unbounded side becomes a bound no row reaches (for the kernels that run
+    a causal or unmasked call as a window: tuning.flash_forward_variant)."""
+    left = -1 if left >= max_sk - 1 else left
+    right = -1 if right >= max_sq - 1 else right
+    mask = MASK_WINDOW if left >= 0 or right > 0 else MASK_CAUSAL if right == 0 else MASK_NONE
+    unbounded = max_sq + max_sk + 1
+    return mask, (unbounded if left < 0 else left), (unbounded if right < 0 else right)
 
 
 def _plan(c: Call) -> Plan:
     """Variant, grid and split of a checked call; the outputs it allocates; its launches."""
     nheads, head_dim = c.q.shape[-2], c.q.shape[-1]
-    left, right = c.left, c.right
-    mask = _mask_kind(c.causal, left, right)
+    mask, window_left, window_right = _mask_and_bounds(c.left, c.right, c.max_sq, c.max_sk)
     grid_y = nheads // c.pack
     if c.batch > _MAX_GRID_YZ or grid_y > _MAX_GRID_YZ:
         heads = f"nheads {nheads}" if c.pack == 1 else f"nheads_kv {grid_y}"
@@ -332,7 +328,6 @@ def _plan(c: Call) -> Plan:
     if fetched:   # the Hopper kernel's tile counter, zeroed before each launch
         counter_at = -(-scratch_bytes // 16) * 16
         scratch, scratch_bytes, zeroed = scratch + (counter_at,), counter_at + 16, (counter_at, 4)
-    wl, wr = _window_params(left, right, c.max_sq, c.max_sk)
     slot_of = {n: slots.arg(i) for n, i in c.args.items()}
     slot_of.update(out=out_slot, lse=lse_slot)
     if split:
@@ -353,7 +348,7 @@ def _plan(c: Call) -> Plan:
     fields.update(c.fields)
     tail = FLASH_PARAMS.tail(
         batch=c.batch, num_heads=nheads, head_group=nheads // c.nheads_kv, total_q=c.total_q,
-        head_dim=head_dim, window_left=wl, window_right=wr, num_splits=num_splits,
+        head_dim=head_dim, window_left=window_left, window_right=window_right, num_splits=num_splits,
         scale_log2=c.softmax_scale * A.LOG2E, softmax_scale_inv=1.0 / c.softmax_scale,
         m_blocks=m_blocks, **hook_fields(c.softcap, c.softmax_scale), **fields)
     with cupy.cuda.Device(c.device_id):

@@ -572,6 +572,13 @@ def paged_mma_partition(num_ctas_v1: int, max_context: int, num_sms: int) -> int
     return min(PAGED_PARTITION_SIZES)
 
 
+def paged_split_partition(max_context: int, num_splits: int) -> int:
+    """v2's partition for a call that names num_splits > 1 (paged_prefill's few-token form):
+    the shortest that gives at most num_splits partitions per sequence, else the longest."""
+    return next((ps for ps in PAGED_PARTITION_SIZES if -(-max_context // ps) <= num_splits),
+                max(PAGED_PARTITION_SIZES))
+
+
 def paged_mma_plan(num_ctas_v1: int, max_context: int, num_sms: int,
                    partition_size: int | None = None) -> tuple[str, int]:
     """(version, partition_size) for version="auto"; a given partition_size is kept."""

@@ -242,11 +242,12 @@ class FlashFwdSm90Variant(Variant):
         """The launch grid for m_blocks row tiles per (head, batch x split) entry
         (flash_fwd_sm90.cuh for_each_tile): one block per SM at most (its registers allow no
         second) over the items: dense calls stride over them (pairs of row tiles under a
-        causal mask), varlen ones by TMA fetch them from a counter (at most m_blocks per
-        entry); other varlen calls take one block per row tile."""
+        causal or window mask: Traits::PAIR_TILES), varlen ones by TMA fetch them from a
+        counter (at most m_blocks per entry); other varlen calls take one block per row
+        tile."""
         if varlen and not self.fetches_varlen:
             return (m_blocks, heads, entries_z)
-        per_entry = -(-m_blocks // 2) if self.mask == MASK_CAUSAL and not varlen else m_blocks
+        per_entry = -(-m_blocks // 2) if self.pairs_tiles and not varlen else m_blocks
         return (min(per_entry * heads * entries_z, sm_count),)
 
     @property
@@ -256,8 +257,13 @@ class FlashFwdSm90Variant(Variant):
         registers)."""
         return self.tma and self.block_m // 64 < 3
 
+    @property
+    def pairs_tiles(self) -> bool:
+        """Whether a dense call's items are pairs of row tiles (Traits::PAIR_TILES)."""
+        return self.mask != MASK_NONE
+
     def traits_asserts(self) -> tuple:
-        return (("FETCH_VARLEN", self.fetches_varlen),)
+        return (("FETCH_VARLEN", self.fetches_varlen), ("PAIR_TILES", self.pairs_tiles))
 
     def target_arch(self, device_arch: str) -> str:
         return "sm_90a"   # wgmma exists only in the arch-specific target

@@ -110,9 +110,9 @@ struct FlashFwdSm90Traits : FlashFeatures<FEATURES_> {
   // At head dims of 128 and up (MEASURED, bench/NOTES.md "Session 12": paged 0.96x, hd256
   // causal 0.87x; hd64, where the MUFU pipe bounds the step, 1.03-1.09x: there not).
   static constexpr bool RAW_MAX = FlashFeatures<FEATURES_>::Logits::MONOTONE && HEAD_DIM >= 128;
-  // The schedule (for_each_tile): a causal block walks pairs of row tiles, a heavy one and a
-  // light one.
-  static constexpr bool PAIR_TILES = MASK_ == kMaskCausal;
+  // The schedule (for_each_tile): under a right edge (causal or a window) a block walks
+  // pairs of row tiles, a heavy one and a light one.
+  static constexpr bool PAIR_TILES = Mask::BAND;
   // The producer's copies: each thread takes one 16-byte column chunk of every
   // ROWS_PER_PASS-th row when a row's chunks divide the warpgroup (EVEN_ROWS); otherwise
   // chunk c of the tile goes to thread c % 128 (head dim 192).
@@ -338,10 +338,11 @@ __device__ __forceinline__ void for_each_tile(const FlashFwdParams& p, Next&& ne
 // The grid as the schedule. Dense calls launch one block per SM (a persistent grid: a tile's
 // loads run under the last steps and the epilogue of the one before), each striding over
 // the grid's items: item w is a row tile of one head and one batch x split entry (tiles
-// fastest, heavy first, then heads, as the hardware would order a 3-d grid), or with a
-// causal mask (Tr::PAIR_TILES) the pair of tiles m_blocks - 1 - j and j, whose key tiles add
-// up to about the same for every j, so that blocks striding over equal items stay balanced
-// (an odd m_blocks leaves middle tiles, the last items). Varlen calls without a fetched
+// fastest, heavy first, then heads, as the hardware would order a 3-d grid), or under a
+// right edge (Tr::PAIR_TILES) the pair of tiles m_blocks - 1 - j and j: where a row's keys
+// grow with it (causal, a wide window) their key tiles add up to about the same for every j,
+// and a narrow window's tiles cost about the same alone, so that blocks striding over equal
+// items stay balanced (an odd m_blocks leaves middle tiles, the last items). Varlen calls without a fetched
 // schedule (the cp.async producer's) launch one block per row tile, grid (m_blocks, heads,
 // batch x splits) as flash_fwd_kernel's, heavy first.
 template <typename Tr>

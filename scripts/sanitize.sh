@@ -38,9 +38,9 @@ command -v "$cs" > /dev/null || { echo "sanitize.sh: $cs not found (set COMPUTE_
 # Odd lengths and partial tiles (113x203, 37x91, 1x147), seqlen_k = 0 and rows that see no
 # key, varlen with empty sequences, split-KV (+ combine) for head dims 64/96/128/256, every
 # flash form (plain, causal, window) on both flash kernels (mma.sync and, on sm_90, wgmma:
-# TMA and cp.async loads, the fetched varlen schedule, narrow key tiles); paged v1/v2 with
-# one and many partitions (128..1024), partial last KV blocks at block sizes 8/16/32, empty
-# sequences, GQA 1..16, fp8, ALiBi, both forms of the paged kernel (tensor-core, CUDA-core)
+# TMA and cp.async loads, the fetched varlen schedule, narrow key tiles, windows on the
+# paired row tiles); paged v1/v2 with one and many partitions (128..1024), partial last KV
+# blocks at block sizes 8/16/32, empty sequences, GQA 1..16, fp8, ALiBi, both forms of the paged kernel (tensor-core, CUDA-core)
 # on odd groups; reshape_and_cache; merge (pair, stacked, +/-inf); CUDA-graph replays of all of them;
 # paged_prefill (both layouts, block sizes 1 and 8, few and many rows, split + sinks, every
 # hook, prefix sharing, graph replay; long chunks of both layouts on the Hopper kernel; the
@@ -69,6 +69,8 @@ reduced="tests/test_merge.py
  tests/test_flash.py::test_window[wgmma-w16_8-113-203-64]
  tests/test_flash.py::test_window[wgmma-w40_0c-113-203-256]
  tests/test_flash.py::test_window[wgmma-w-1_5-1-147-128]
+ tests/test_flash.py::test_window[wgmma-w40_0c-1024-1023-128]
+ tests/test_flash.py::test_window[wgmma-w100_300-1024-1023-64]
  tests/test_flash.py::test_strided_bhsd_views_and_scale[wgmma-128]
  tests/test_flash.py::test_varlen[wgmma-3-True-mixed]
  tests/test_flash.py::test_varlen[wgmma-3-False-decode-like]

@@ -208,6 +208,30 @@ def _visible(xp, sq, sk, causal, window):
     return ok
 
 
+def test_mask_and_bounds_drop_only_sides_that_exclude_no_key():
+    """The host's mask kind and bounds (cuattn.flash._mask_and_bounds) see the same keys as
+    the window asked for, at every length up to the bounds it is given (varlen: max_seqlen
+    bounds each sequence), and a window covering every key runs the causal or unmasked
+    kernel."""
+    from cuattn.flash import _mask_and_bounds
+    kernel_window = {MASK_NONE: lambda lb, rb: (-1, -1), MASK_CAUSAL: lambda lb, rb: (-1, 0),
+                     MASK_WINDOW: lambda lb, rb: (lb, rb)}
+    for max_sq, max_sk in ((1, 1), (1, 9), (6, 9), (9, 6), (7, 7)):
+        for left in range(-1, max_sk + 3):
+            for right in range(-1, max_sq + 3):
+                mask, lb, rb = _mask_and_bounds(left, right, max_sq, max_sk)
+                for sq in range(1, max_sq + 1):
+                    for sk in range(0, max_sk + 1):
+                        want = _visible(np, sq, sk, False, (left, right))
+                        got = _visible(np, sq, sk, False, kernel_window[mask](lb, rb))
+                        assert (got == want).all(), (max_sq, max_sk, left, right, sq, sk)
+    assert _mask_and_bounds(4095, 0, 4096, 4096)[0] == MASK_CAUSAL     # causal, every key
+    assert _mask_and_bounds(4094, 0, 4096, 4096)[0] == MASK_WINDOW     # all keys but one
+    assert _mask_and_bounds(-1, 0, 1, 4096)[0] == MASK_NONE            # causal decode
+    assert _mask_and_bounds(9000, 4095, 4096, 8192) == (MASK_NONE, 12289, 12289)
+    assert _mask_and_bounds(100, -1, 4096, 8192) == (MASK_WINDOW, 100, 12289)
+
+
 def attention_ref(q, k, v, *, causal=False, window=(-1, -1), scale=None, lowp=None):
     """q (B, Sq, H, D), k/v (B, Sk, Hkv, D) -> float64 out (B, Sq, H, D), lse (B, H, Sq).
 
@@ -482,34 +506,39 @@ def test_num_splits_match_unsplit(rng, hd, sq, sk, causal):
 
 
 # More row tiles than an H200 has SMs: the Hopper kernel's blocks each walk several of them
-# (under a causal mask in heavy + light pairs; an odd count per head leaves a middle tile
-# alone), across heads and batch entries; sq != sk moves the causal diagonal.
+# (under a causal or window mask in heavy + light pairs; an odd count per head leaves a
+# middle tile alone), across heads and batch entries; sq != sk moves the diagonal. The
+# window bounds both sides and excludes keys on each ("w").
 _MANY_TILES = [(64, 1200, 1300), (128, 1100, 900), (256, 600, 1400)]
+_MANY_TILES_MASKS = {"nc": (False, (-1, -1)), "c": (True, (-1, -1)), "w": (False, (300, 17))}
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("hd,sq,sk", _MANY_TILES, ids=[f"d{h}-{a}x{b}" for h, a, b in _MANY_TILES])
-@pytest.mark.parametrize("causal", [False, True], ids=["nc", "c"])
+@pytest.mark.parametrize("mask", list(_MANY_TILES_MASKS))
 @pytest.mark.parametrize("num_splits", [1, 2])
-def test_more_row_tiles_than_sms(rng, flash_path, hd, sq, sk, causal, num_splits):
+def test_more_row_tiles_than_sms(rng, flash_path, hd, sq, sk, mask, num_splits):
     import cupy
+    causal, window = _MANY_TILES_MASKS[mask]
     batch, h, hkv = 4, 16, 4
     if flash_path == "wgmma":
-        v = tuning.flash_kernel_variant("bf16", hd, mask=MASK_CAUSAL if causal else MASK_NONE,
-                                        split=num_splits > 1, arch="sm_90", features=0, tma=True,
-                                        seqlen_q=sq)
+        kind = {"nc": MASK_NONE, "c": MASK_CAUSAL, "w": MASK_WINDOW}[mask]
+        v = tuning.flash_kernel_variant("bf16", hd, mask=kind, split=num_splits > 1,
+                                        arch="sm_90", features=0, tma=True, seqlen_q=sq)
         m_blocks = -(-sq // v.block_m)
-        assert m_blocks % 2 == 1, "an odd tile count per head: a pair's middle tile alone"
-        items = (-(-m_blocks // 2) if causal else m_blocks) * h * batch * num_splits
+        # (hd64's window form takes 128-row tiles, an even count: pairs alone)
+        assert m_blocks % 2 == 1 or (mask, hd) == ("w", 64), "a pair's middle tile alone"
+        assert v.pairs_tiles == (mask != "nc")
+        items = (-(-m_blocks // 2) if v.pairs_tiles else m_blocks) * h * batch * num_splits
         sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
         assert items > sms, (items, sms)
     q = _randn(rng, (batch, sq, h, hd), BF16)
     k = _randn(rng, (batch, sk, hkv, hd), BF16)
     v = _randn(rng, (batch, sk, hkv, hd), BF16)
     out = _poisoned(q.shape, BF16)
-    _, lse = cuattn.flash_forward(q, k, v, causal=causal, num_splits=num_splits,
-                                  return_lse=True, out=out)
-    check_close(out, lse, q, k, v, causal=causal)
+    _, lse = cuattn.flash_forward(q, k, v, causal=causal, window_size=window,
+                                  num_splits=num_splits, return_lse=True, out=out)
+    check_close(out, lse, q, k, v, causal=causal, window=window)
 
 
 # Varlen calls with more row tiles than an H200 has SMs, odd lengths and empty sequences,

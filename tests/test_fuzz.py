@@ -38,8 +38,8 @@ import pytest
 import cuattn
 from cuattn import paged, tuning
 from cuattn.paged.forms import form_for
-from cuattn.variants import (FEAT_ALIBI, FEAT_SINKS, FEAT_SOFTCAP, KV_PAGED_NHD, KV_PAGED_VLLM,
-                             MASK_CAUSAL, MASK_NONE, MASK_WINDOW)
+from cuattn.flash import _mask_and_bounds
+from cuattn.variants import FEAT_ALIBI, FEAT_SINKS, FEAT_SOFTCAP, KV_PAGED_NHD, KV_PAGED_VLLM
 from test_flash import _floor, _round, _visible, attention_ref
 from test_paged import E4M3, _cache_values, make_case, paged_reference
 from test_prefill import write_tokens
@@ -582,13 +582,10 @@ def oracle_flash(p, c):
                 lse=c["ref_lse"].astype(np.float32) if p["return_lse"] else None)
 
 
-def _mask_of(p):
-    """The mask kind of a case (cuattn.flash._mask_kind)."""
+def _mask_of(p, max_sq, max_sk):
+    """The mask kind the library gives a case's window (cuattn.flash._mask_and_bounds)."""
     left, right = p["window"]
-    right = 0 if p["causal"] else right
-    is_causal = p["causal"] and left < 0
-    window = not is_causal and (left >= 0 or right >= 0)
-    return MASK_CAUSAL if is_causal else (MASK_WINDOW if window else MASK_NONE)
+    return _mask_and_bounds(left, 0 if p["causal"] else right, max_sq, max_sk)[0]
 
 
 def _may_split(n, tiles, batch):
@@ -599,7 +596,6 @@ def _may_split(n, tiles, batch):
 
 
 def kernels_flash(p, arch):
-    mask = _mask_of(p)
     if "lens_q" in p:
         batch = len(p["lens_q"])
         max_sq, max_sk = max(p["lens_q"]) + p["extra_max"], max(p["lens_k"]) + p["extra_max"]
@@ -607,6 +603,7 @@ def kernels_flash(p, arch):
         batch, max_sq, max_sk = p["batch"], p["sq"], p["sk"]
     if max_sq == 0:
         return []
+    mask = _mask_of(p, max_sq, max_sk)
 
     features = _features(p)
 
@@ -1212,7 +1209,7 @@ def gen_prefill(rng, pal):
     # the mask: causal (bottom-right, the default), or the family's other one
     kind = "causal" if rng.random() < 0.6 else fam["mask"]
     p["causal"], p["window"] = kind == "causal", (-1, -1)
-    if kind == "window":                 # always the window form: a bounded side
+    if kind == "window":     # a bounded side (one that excludes no key runs without it)
         n = max(ctx)
         p["causal"] = bool(rng.random() < 0.4)
         left, right = _side(rng, n), _side(rng, n)
@@ -1283,8 +1280,7 @@ def call_prefill(p, c, rng):
 
 def _few_token_kernels(p, max_sq):
     """The few-token form's (paged/prefill.py _decode_plan): v1 and v2's kernels, every
-    partition where the library picks (num_splits 0), else the call's (_decode_plan's rule,
-    written again here)."""
+    partition where the library picks (num_splits 0), else the call's."""
     tokens, group = tuning.paged_multi_token(p["hs"], p["gqa"], max_sq)
 
     def key(ps):
@@ -1296,8 +1292,7 @@ def _few_token_kernels(p, max_sq):
         return [key(0)]
     max_context = (max(-(-c // p["bs"]) for c in p["ctx"]) + p["extra_table"]) * p["bs"]
     parts = tuning.PAGED_PARTITION_SIZES if n == 0 else \
-        [next((ps for ps in tuning.PAGED_PARTITION_SIZES if -(-max_context // ps) <= n),
-              max(tuning.PAGED_PARTITION_SIZES))]
+        [tuning.paged_split_partition(max_context, n)]
     return [key(0)] * (n == 0) + [key(ps) for ps in parts] + \
         [tuning.paged_reduce_variant(p["dtype"], p["hs"], sinks=p["sinks"])]
 
@@ -1311,7 +1306,8 @@ def kernels_prefill(p, arch):
     total_q = sum(p["lens_q"]) + p["pad_q"]
     if tuning.paged_prefill_form(_cache_kind(p), p["hs"], max_sq, total_q) == "decode":
         return _few_token_kernels(p, max_sq)
-    mask, features = _mask_of(p), _features(p)
+    max_blocks = max(max(-(-n // p["bs"]) for n in p["ctx"]) + p["extra_table"], 1)
+    mask, features = _mask_of(p, max_sq, max_blocks * p["bs"]), _features(p)
     kv = KV_PAGED_NHD if p["layout"] == "nhd" else KV_PAGED_VLLM
     hopper = tuning.paged_prefill_path(arch, p["hs"], p["layout"], p["bs"],
                                        _cache_kind(p)) == "wgmma"
@@ -1324,7 +1320,6 @@ def kernels_prefill(p, arch):
         return tuning.paged_prefill_variant(p["dtype"], p["hs"], mask=mask, split=split,
                                             arch=arch, kv=kv, features=features,
                                             rows=max_sq * p["gqa"], fp8=p["cache"] != "same")
-    max_blocks = max(max(-(-n // p["bs"]) for n in p["ctx"]) + p["extra_table"], 1)
     tiles = -(-max_blocks * p["bs"] // fwd(False).block_n)
     extra = [fwd(True), tuning.flash_combine_variant(p["dtype"], p["hs"],
                                                      sinks=bool(features & FEAT_SINKS))]

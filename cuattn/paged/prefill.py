@@ -188,7 +188,7 @@ def flash_form_plan(q, k_cache, v_cache, block_tables, info, kv_layout, *, dtype
     return flash_plan(Call(
         device_id=device_id, dtype=dtype, q=q, nheads_kv=info.num_kv_heads, out=out,
         lse_shape=lse_shape if return_lse else None, num_args=num_args, out_arg=num_args - 1,
-        args=args, causal=bool(causal), softmax_scale=softmax_scale, left=left, right=right,
+        args=args, softmax_scale=softmax_scale, left=left, right=right,
         num_splits=num_splits, features=features, softcap=softcap, batch=num_seqs,
         max_sq=max_seqlen_q, max_sk=max_blocks * info.block_size, total_q=total_q,
         fields=fields, variant_for=variant_for, pack=1 if hopper else group,
@@ -233,10 +233,7 @@ def _decode_plan(q, info, block_tables, num_seqs, max_seqlen_q, dtype, features,
     elif num_splits == 1:
         version, partition_size = "v1", 0
     else:
-        version = "v2"
-        partition_size = next((ps for ps in tuning.PAGED_PARTITION_SIZES
-                               if -(-max_context // ps) <= num_splits),
-                              max(tuning.PAGED_PARTITION_SIZES))
+        version, partition_size = "v2", tuning.paged_split_partition(max_context, num_splits)
     o_row, o_head, _ = A.element_strides_or_contiguous(out, q.shape)
     l_head, l_row = A.element_strides_or_contiguous(None, lse_shape) if lse_shape else (0, 0)
     qs = A.element_strides(q)
