@@ -7,9 +7,10 @@ blocks). Kernel-only times (CUDA-graph replays, harness.median_ms graph=...) for
   (batch = 16384 // CHUNK, so about 16k new tokens run), layouts vllm/16, nhd/16, nhd/64,
   beside flash_varlen_forward on the same K/V laid out contiguously (causal, bottom-right).
   FLOPs = 4 * H * D * (keys each new token sees), summed. "varlen/paged" > 0.95 is the
-  target: what paging costs (the four calls of a context in HOOK_ROUNDS rounds, in turn). On Hopper both run the Hopper kernel where it takes the call
-  (both layouts; tuning.paged_prefill_path), and "mma.sync us" is the same paged call forced
-  onto the mma.sync kernel (tuning.override(flash_path="mma"); the kernel before it).
+  target: what paging costs (the four calls of a context in HOOK_ROUNDS rounds, in turn).
+  On Hopper both run the Hopper kernel where it takes the call (both layouts;
+  tuning.paged_prefill_path), and "mma.sync us" is the same paged call forced onto the
+  mma.sync kernel (tuning.override(flash_path="mma"); the kernel before it).
 - verify: 2, 4, 8 new tokens per sequence, batch 32 and 64, contexts 4k and 16k, vllm/16,
   beside paged_attention (one token, same cache); L2 flushed ("clean") before every replay,
   so K/V come from memory. "% read BW": K+V bytes / time over the read ceiling of this run.

@@ -348,7 +348,8 @@ def _plan(c: Call) -> Plan:
     fields.update(c.fields)
     tail = FLASH_PARAMS.tail(
         batch=c.batch, num_heads=nheads, head_group=nheads // c.nheads_kv, total_q=c.total_q,
-        head_dim=head_dim, window_left=window_left, window_right=window_right, num_splits=num_splits,
+        head_dim=head_dim, window_left=window_left, window_right=window_right,
+        num_splits=num_splits,
         scale_log2=c.softmax_scale * A.LOG2E, softmax_scale_inv=1.0 / c.softmax_scale,
         m_blocks=m_blocks, **hook_fields(c.softcap, c.softmax_scale), **fields)
     with cupy.cuda.Device(c.device_id):

@@ -342,9 +342,9 @@ __device__ __forceinline__ void for_each_tile(const FlashFwdParams& p, Next&& ne
 // right edge (Tr::PAIR_TILES) the pair of tiles m_blocks - 1 - j and j: where a row's keys
 // grow with it (causal, a wide window) their key tiles add up to about the same for every j,
 // and a narrow window's tiles cost about the same alone, so that blocks striding over equal
-// items stay balanced (an odd m_blocks leaves middle tiles, the last items). Varlen calls without a fetched
-// schedule (the cp.async producer's) launch one block per row tile, grid (m_blocks, heads,
-// batch x splits) as flash_fwd_kernel's, heavy first.
+// items stay balanced (an odd m_blocks leaves middle tiles, the last items). Varlen calls
+// without a fetched schedule (the cp.async producer's) launch one block per row tile, grid
+// (m_blocks, heads, batch x splits) as flash_fwd_kernel's, heavy first.
 template <typename Tr>
 __device__ __forceinline__ Sm90Next grid_item(const FlashFwdParams& p, unsigned k,
                                               unsigned& m_block, unsigned& head, unsigned& z) {

@@ -40,13 +40,14 @@ command -v "$cs" > /dev/null || { echo "sanitize.sh: $cs not found (set COMPUTE_
 # flash form (plain, causal, window) on both flash kernels (mma.sync and, on sm_90, wgmma:
 # TMA and cp.async loads, the fetched varlen schedule, narrow key tiles, windows on the
 # paired row tiles); paged v1/v2 with one and many partitions (128..1024), partial last KV
-# blocks at block sizes 8/16/32, empty sequences, GQA 1..16, fp8, ALiBi, both forms of the paged kernel (tensor-core, CUDA-core)
-# on odd groups; reshape_and_cache; merge (pair, stacked, +/-inf); CUDA-graph replays of all of them;
-# paged_prefill (both layouts, block sizes 1 and 8, few and many rows, split + sinks, every
-# hook, prefix sharing, graph replay; long chunks of both layouts on the Hopper kernel; the
-# few-token form v1 and v2, hooks and windows, 3 n-tiles; fp8 caches in both layouts), NHD
-# reshape_and_cache, the hooks on flash (softcap alone too: the Hopper kernel's ping-pong and
-# raw-max paths) and on both decode forms (v1 and v2, NHD block sizes 1 and 256, windows).
+# blocks at block sizes 8/16/32, empty sequences, GQA 1..16, fp8, ALiBi, both forms of the
+# paged kernel (tensor-core, CUDA-core) on odd groups; reshape_and_cache; merge (pair,
+# stacked, +/-inf); CUDA-graph replays of all of them; paged_prefill (both layouts, block
+# sizes 1 and 8, few and many rows, split + sinks, every hook, prefix sharing, graph replay;
+# long chunks of both layouts on the Hopper kernel; the few-token form v1 and v2, hooks and
+# windows, 3 n-tiles; fp8 caches in both layouts), NHD reshape_and_cache, the hooks on flash
+# (softcap alone too: the Hopper kernel's ping-pong and raw-max paths) and on both decode
+# forms (v1 and v2, NHD block sizes 1 and 256, windows).
 reduced="tests/test_merge.py
  tests/test_flash.py::test_small_against_numpy_float64
  tests/test_flash.py::test_seqlen_k_zero_and_no_key_rows
