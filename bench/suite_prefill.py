@@ -7,7 +7,7 @@ blocks). Kernel-only times (CUDA-graph replays, harness.median_ms graph=...) for
   (batch = 16384 // CHUNK, so about 16k new tokens run), layouts vllm/16, nhd/16, nhd/64,
   beside flash_varlen_forward on the same K/V laid out contiguously (causal, bottom-right).
   FLOPs = 4 * H * D * (keys each new token sees), summed. "varlen/paged" > 0.95 is the
-  target: what paging costs (the four calls of a context in HOOK_ROUNDS rounds, in turn).
+  target: what paging costs (the four calls of a context in ROUNDS rounds, in turn).
   On Hopper both run the Hopper kernel where it takes the call (both layouts;
   tuning.paged_prefill_path), and "mma.sync us" is the same paged call forced onto the
   mma.sync kernel (tuning.override(flash_path="mma"); the kernel before it).
@@ -45,7 +45,7 @@ GRAPH_CALLS, GRAPH_REPS = 3, 10
 # The prefill rows are compute-bound and compared across kernels: each measurement first runs
 # untimed this long, so that each is timed at sustained clocks (bench/NOTES.md, session 7).
 SETTLE_S = 0.3
-HOOK_ROUNDS = 3
+ROUNDS = 3
 
 
 class PagedCase:
@@ -104,7 +104,7 @@ def _graph_ms(fn, flush=False, settle_s=0.0) -> float:
 
 
 def prefill_rows(quick: bool) -> list[dict]:
-    """Per context: flash_varlen_forward and the three layouts' paged_prefill in HOOK_ROUNDS
+    """Per context: flash_varlen_forward and the three layouts' paged_prefill in ROUNDS
     rounds, taken in turn (_rounds_ms); then each layout once on the mma.sync kernel."""
     rows = []
     for ctx in (QUICK_PREFILL_CONTEXTS if quick else PREFILL_CONTEXTS):
@@ -157,11 +157,11 @@ def verify_rows(ceilings, quick: bool) -> list[dict]:
 
 
 def _rounds_ms(calls: dict) -> dict:
-    """Each call's median over HOOK_ROUNDS rounds of settled graph times, the calls taken in
-    turn within a round, so that a drift of the clocks lands on all of them alike (one
-    measurement of the call without a hook, taken first, once read 17% slow)."""
+    """Each call's median over ROUNDS rounds of settled graph times, the calls taken in turn
+    within a round, so that a drift of the clocks lands on all of them alike (one
+    measurement of a call without a hook, taken first, once read 17% slow)."""
     times = {name: [] for name in calls}
-    for _ in range(HOOK_ROUNDS):
+    for _ in range(ROUNDS):
         for name, fn in calls.items():
             times[name].append(_graph_ms(fn, settle_s=SETTLE_S))
     return {name: statistics.median(t) for name, t in times.items()}
@@ -169,7 +169,7 @@ def _rounds_ms(calls: dict) -> dict:
 
 def hook_rows(quick: bool) -> list[dict]:
     """Each hook against the same call without it (kernel-only, each measurement settled,
-    HOOK_ROUNDS rounds of the call and its hooked forms in turn)."""
+    ROUNDS rounds of the call and its hooked forms in turn)."""
     rows = []
     sinks = cupy.random.uniform(-1, 2, NUM_HEADS).astype(np.float32)
     def hooks(ctx, right=0):

@@ -19,6 +19,7 @@ import pytest
 
 import cuattn
 from cuattn import tuning
+from cuattn.flash import _mask_and_bounds
 from tests.compiled import compile_reports, unclean
 from tests.paths import FLASH_PATHS, forced_flash_path
 from cuattn.tuning import FlashTiles
@@ -213,7 +214,6 @@ def test_mask_and_bounds_drop_only_sides_that_exclude_no_key():
     the window asked for, at every length up to the bounds it is given (varlen: max_seqlen
     bounds each sequence), and a window covering every key runs the causal or unmasked
     kernel."""
-    from cuattn.flash import _mask_and_bounds
     kernel_window = {MASK_NONE: lambda lb, rb: (-1, -1), MASK_CAUSAL: lambda lb, rb: (-1, 0),
                      MASK_WINDOW: lambda lb, rb: (lb, rb)}
     for max_sq, max_sk in ((1, 1), (1, 9), (6, 9), (9, 6), (7, 7)):
@@ -522,7 +522,7 @@ def test_more_row_tiles_than_sms(rng, flash_path, hd, sq, sk, mask, num_splits):
     causal, window = _MANY_TILES_MASKS[mask]
     batch, h, hkv = 4, 16, 4
     if flash_path == "wgmma":
-        kind = {"nc": MASK_NONE, "c": MASK_CAUSAL, "w": MASK_WINDOW}[mask]
+        kind = _mask_and_bounds(window[0], 0 if causal else window[1], sq, sk)[0]
         v = tuning.flash_kernel_variant("bf16", hd, mask=kind, split=num_splits > 1,
                                         arch="sm_90", features=0, tma=True, seqlen_q=sq)
         m_blocks = -(-sq // v.block_m)
