@@ -74,6 +74,12 @@ struct PagedMmaTraits {
   // shared memory; rows padded by 4 floats so that the 4 column pairs of a store land in
   // different banks.
   static constexpr int MERGE_ROW = HEAD_SIZE + 4;
+  // With 4 n-tiles and more (8 new tokens x group 4), each column's normaliser is computed
+  // once instead of at each of its elements, and the output loop reads 4 dims a thread:
+  // 0.97x the call at 8 new tokens and 4k contexts. With fewer n-tiles the same epilogue
+  // measured 1.01-1.03x (decode) and 1.11-1.28x (4 new tokens), its main loop compiled
+  // differently, so they keep the per-element form (bench/NOTES.md, session 15).
+  static constexpr bool NORM_ONCE = NT >= 4;
   static constexpr int MERGE_BYTES = NUM_WARPS * 8 * NT * MERGE_ROW * 4;
   // More than one n-tile: Q^T waits in shared memory after the rings, [column][dim] rows
   // padded by 16 bytes (ldmatrix's 8 rows in 8 bank groups), n-tiles in pairs (ldmatrix
@@ -438,23 +444,66 @@ __device__ void paged_attention_mma_kernel(const PagedParams& p) {
   }
   __syncthreads();
 
-  // ---- write: v1 the output and lse, v2 the normalised partial output and its lse ---------
-  for (int i = threadIdx.x; i < q_len * GROUP * HEAD_SIZE; i += NUM_WARPS * 32) {
-    const int c = i / HEAD_SIZE, d = i % HEAD_SIZE, h = c % GROUP;
-    SoftmaxState block{block_max(c), 0.f};
-    const float b = SoftmaxState::base(block.max, 1.f);
-    float acc = 0.f;
+  if constexpr (Tr::NORM_ONCE) {
+    // Each column's normaliser, once: the block's sum over the warps' states (v1: and the
+    // head's sink) and the lse; the output loop below only adds the warps' rows.
+    __shared__ float norm_s[8 * NT];
+    for (int c = threadIdx.x; c < q_len * GROUP; c += NUM_WARPS * 32) {
+      SoftmaxState block{block_max(c), 0.f};
+      const float b = SoftmaxState::base(block.max, 1.f);
 #pragma unroll
-    for (int w = 0; w < NUM_WARPS; ++w) {
-      block.sum = fmaf(state_s[w][c].sum, SoftmaxState::weight(state_s[w][c].max, 1.f, b), block.sum);
-      acc += merge[(w * 8 * NT + c) * Tr::MERGE_ROW + d];
+      for (int w = 0; w < NUM_WARPS; ++w)
+        block.sum = fmaf(state_s[w][c].sum, SoftmaxState::weight(state_s[w][c].max, 1.f, b),
+                         block.sum);
+      float alpha = 1.f;
+      if constexpr (Tr::SINKS && !V2) {   // (v2: in the reduce)
+        const float sink = static_cast<const float*>(p.sinks)[head0 + c % GROUP] * kLog2e;
+        alpha = block.add_sink(sink, 1.f);
+      }
+      norm_s[c] = alpha * block.inv_sum();   // an empty sequence (v1) gives zeros
+      const PagedOutput<T, HEAD_SIZE, V2> output{p, row0 + c / GROUP, head0, part};
+      output.store_lse(c % GROUP, block.lse(1.f));
     }
-    if constexpr (Tr::SINKS && !V2) {   // (v2: in the reduce)
-      acc *= block.add_sink(static_cast<const float*>(p.sinks)[head0 + h] * kLog2e, 1.f);
+    __syncthreads();
+
+    // ---- write: v1 the output, v2 the normalised partial output; 4 dims a thread ----
+    constexpr int D4 = HEAD_SIZE / 4;
+    for (int i = threadIdx.x; i < q_len * GROUP * D4; i += NUM_WARPS * 32) {
+      const int c = i / D4, d = 4 * (i % D4);
+      float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+      for (int w = 0; w < NUM_WARPS; ++w) {
+        const float4 x =
+            *reinterpret_cast<const float4*>(merge + (w * 8 * NT + c) * Tr::MERGE_ROW + d);
+        acc.x += x.x; acc.y += x.y; acc.z += x.z; acc.w += x.w;
+      }
+      const float f = norm_s[c];
+      const PagedOutput<T, HEAD_SIZE, V2> output{p, row0 + c / GROUP, head0, part};
+      output.store(c % GROUP, d, acc.x * f);
+      output.store(c % GROUP, d + 1, acc.y * f);
+      output.store(c % GROUP, d + 2, acc.z * f);
+      output.store(c % GROUP, d + 3, acc.w * f);
     }
-    const PagedOutput<T, HEAD_SIZE, V2> output{p, row0 + c / GROUP, head0, part};
-    output.store(h, d, acc * block.inv_sum());   // an empty sequence (v1) gives zeros
-    if (d == 0) output.store_lse(h, block.lse(1.f));
+  } else {
+    // ---- write: v1 the output and lse, v2 the normalised partial output and its lse ---
+    for (int i = threadIdx.x; i < q_len * GROUP * HEAD_SIZE; i += NUM_WARPS * 32) {
+      const int c = i / HEAD_SIZE, d = i % HEAD_SIZE, h = c % GROUP;
+      SoftmaxState block{block_max(c), 0.f};
+      const float b = SoftmaxState::base(block.max, 1.f);
+      float acc = 0.f;
+#pragma unroll
+      for (int w = 0; w < NUM_WARPS; ++w) {
+        block.sum = fmaf(state_s[w][c].sum, SoftmaxState::weight(state_s[w][c].max, 1.f, b),
+                         block.sum);
+        acc += merge[(w * 8 * NT + c) * Tr::MERGE_ROW + d];
+      }
+      if constexpr (Tr::SINKS && !V2) {   // (v2: in the reduce)
+        acc *= block.add_sink(static_cast<const float*>(p.sinks)[head0 + h] * kLog2e, 1.f);
+      }
+      const PagedOutput<T, HEAD_SIZE, V2> output{p, row0 + c / GROUP, head0, part};
+      output.store(h, d, acc * block.inv_sum());   // an empty sequence (v1) gives zeros
+      if (d == 0) output.store_lse(h, block.lse(1.f));
+    }
   }
 }
 
