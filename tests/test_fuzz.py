@@ -797,11 +797,16 @@ def _fp8_scales(rng):
     return tuple(round(float(np.exp(rng.uniform(np.log(0.02), np.log(2.0)))), 4) for _ in "kv")
 
 
-def _quantise_caches(c, p):
+def _quantise_caches(c, p, layout="nhd"):
     """fp8 caches (p["cache"] "e4m3" or "u8") of the 16-bit ones _paged_cache wrote: x / scale
-    in e4m3, clipped to +/-448 (NaN slots stay NaN)."""
+    in e4m3, clipped to +/-448 (NaN slots stay NaN). vLLM's K layout is laid out again for
+    1-byte elements: [blk, h, d // 16, off, d % 16] (x = 16 // itemsize)."""
     for n, sc in (("k_cache", p["k_scale"]), ("v_cache", p["v_scale"])):
         x = np.clip(c[n].astype(np.float32) / np.float32(sc), -448, 448).astype(E4M3)
+        if n == "k_cache" and layout == "vllm":
+            nb, h, _, bs, _ = x.shape                  # [blk, h, d // 8, off, d % 8]
+            x = x.transpose(0, 1, 3, 2, 4).reshape(nb, h, bs, -1, 16).transpose(0, 1, 3, 2, 4)
+            x = np.ascontiguousarray(x)
         c[n] = x.view(np.uint8) if p["cache"] == "u8" else x
 
 
@@ -1238,7 +1243,7 @@ def build_prefill(p, rng):
                      values=p["values"])
     fp8 = p["cache"] != "same"
     if fp8:
-        _quantise_caches(c, p)
+        _quantise_caches(c, p, p["layout"])
     scales = (p["k_scale"], p["v_scale"]) if fp8 else (1.0, 1.0)
     cu = _cu(p["lens_q"])
     c["q"] = _q_values(rng, (cu[-1] + p["pad_q"], h, p["hs"]), p["values"], DT[p["dtype"]])
@@ -1423,6 +1428,23 @@ def test_case_space_stays_within_the_budgets(seed):
     for g, vs in kernels.items():
         print(f"{g}: {len(vs)} kernel variants (budget {KERNEL_BUDGET[g]})")
         assert len(vs) <= KERNEL_BUDGET[g], (g, sorted(v.name for v in vs))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_built_caches_have_the_library_layouts(seed):
+    """Every (layout, cache kind) of the paged_prefill cases the seed draws (its first case
+    of each) builds K and V caches of the shapes paged_kv_cache_shapes gives for the cache's
+    element type (an fp8 cache of vLLM's layout was once built with the 16-bit x and refused
+    by the library in every such case)."""
+    first = {}
+    for i, p in _cases("paged_prefill", seed, range(DEFAULT_CASES)):
+        first.setdefault((p["layout"], p["cache"]), (i, p))
+    for (layout, _), (i, p) in sorted(first.items()):
+        c = SPECS["paged_prefill"].build(p, _rng(seed, "paged_prefill", i, 1))
+        k, v = c["k_cache"], c["v_cache"]
+        want = cuattn.paged_kv_cache_shapes(k.shape[0], p["nkv"], p["hs"], p["bs"], k.dtype,
+                                            kv_layout=layout)
+        assert (k.shape, v.shape) == tuple(want), (layout, p["cache"], k.shape, v.shape, want)
 
 
 def test_cases_replay_alone():
