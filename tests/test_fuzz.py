@@ -797,13 +797,13 @@ def _fp8_scales(rng):
     return tuple(round(float(np.exp(rng.uniform(np.log(0.02), np.log(2.0)))), 4) for _ in "kv")
 
 
-def _quantise_caches(c, p, layout="nhd"):
+def _quantise_caches(c, p):
     """fp8 caches (p["cache"] "e4m3" or "u8") of the 16-bit ones _paged_cache wrote: x / scale
     in e4m3, clipped to +/-448 (NaN slots stay NaN). vLLM's K layout is laid out again for
     1-byte elements: [blk, h, d // 16, off, d % 16] (x = 16 // itemsize)."""
     for n, sc in (("k_cache", p["k_scale"]), ("v_cache", p["v_scale"])):
         x = np.clip(c[n].astype(np.float32) / np.float32(sc), -448, 448).astype(E4M3)
-        if n == "k_cache" and layout == "vllm":
+        if n == "k_cache" and p["layout"] == "vllm":
             nb, h, _, bs, _ = x.shape                  # [blk, h, d // 8, off, d % 8]
             x = x.transpose(0, 1, 3, 2, 4).reshape(nb, h, bs, -1, 16).transpose(0, 1, 3, 2, 4)
             x = np.ascontiguousarray(x)
@@ -1243,7 +1243,7 @@ def build_prefill(p, rng):
                      values=p["values"])
     fp8 = p["cache"] != "same"
     if fp8:
-        _quantise_caches(c, p, p["layout"])
+        _quantise_caches(c, p)
     scales = (p["k_scale"], p["v_scale"]) if fp8 else (1.0, 1.0)
     cu = _cu(p["lens_q"])
     c["q"] = _q_values(rng, (cu[-1] + p["pad_q"], h, p["hs"]), p["values"], DT[p["dtype"]])
