@@ -149,8 +149,8 @@ __device__ void paged_attention_mma_kernel(const PagedParams& p) {
 
   // ---- Q^T as the B operand: (dims 16 ks + 2t.., column 8 nt + g), zero columns past the
   // sequence's tokens; in registers once, or (Q_SMEM) in shared memory ----
-  const unsigned short* q_rows = static_cast<const unsigned short*>(p.q);  // 2-byte loads:
-  auto q_at = [&](int c, int d) -> unsigned short {                        // odd head strides
+  const unsigned short* q_rows = static_cast<const unsigned short*>(p.q);
+  auto q_at = [&](int c, int d) -> unsigned short {   // one element, 0 past the columns
     const bool valid = c < COLS && c / GROUP < q_len;
     return valid ? q_rows[(row0 + c / GROUP) * p.q_stride_seq + (head0 + c % GROUP) * p.q_stride_head + d]
                  : 0;
@@ -158,10 +158,19 @@ __device__ void paged_attention_mma_kernel(const PagedParams& p) {
   u32 qb[Tr::Q_SMEM ? 1 : KS][NT][2];
   const u32 q_smem = smem_addr(smem + Tr::RING_BYTES);
   if constexpr (Tr::Q_SMEM) {
-    unsigned short* qs = reinterpret_cast<unsigned short*>(smem + Tr::RING_BYTES);
-    for (int i = threadIdx.x; i < 8 * Tr::Q_NT * HEAD_SIZE; i += NUM_WARPS * 32)
-      qs[(i / HEAD_SIZE) * Tr::Q_ROW + i % HEAD_SIZE] = q_at(i / HEAD_SIZE, i % HEAD_SIZE);
-    __syncthreads();
+    // 16-byte copies (the host checks q's address and strides for them), a cp.async group of
+    // their own, in flight with the first K/V tiles: one round trip. (Element loads into
+    // shared memory waited one round trip per few elements: ~9% of the 8-token call.)
+    constexpr int DCH = HEAD_SIZE / 8;   // 16-byte chunks of a column
+    for (int i = threadIdx.x; i < 8 * Tr::Q_NT * DCH; i += NUM_WARPS * 32) {
+      const int c = i / DCH, d = 8 * (i % DCH);
+      const bool valid = c < COLS && c / GROUP < q_len;
+      const unsigned short* src =
+          valid ? q_rows + (row0 + c / GROUP) * p.q_stride_seq + (head0 + c % GROUP) * p.q_stride_head + d
+                : q_rows;
+      cp_async_16(q_smem + (c * Tr::Q_ROW + d) * 2, src, valid ? 16 : 0);
+    }
+    cp_async_commit();
   } else {
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
@@ -273,6 +282,10 @@ __device__ void paged_attention_mma_kernel(const PagedParams& p) {
 
 #pragma unroll
   for (int n = 0; n < STAGES - 1; ++n) issue(n);
+  if constexpr (Tr::Q_SMEM) {   // Q^T's group, the oldest, has landed for every warp
+    cp_async_wait<STAGES - 1>();
+    __syncthreads();
+  }
   for (int n = 0; n < my_tiles; ++n) {
     __syncwarp();              // every lane is done reading the stage that is refilled next
     issue(n + STAGES - 1);
