@@ -129,41 +129,47 @@ def prefill_rows(quick: bool) -> list[dict]:
 
 
 def verify_rows(ceilings, quick: bool) -> list[dict]:
+    """Per shape: single-token paged_attention and paged_prefill with each VERIFY_Q new
+    tokens in ROUNDS rounds, taken in turn, L2 flushed (_rounds_ms; measured once each in a
+    row, the first two calls on a 64 x 4096 cache read ~13% slow in two runs); then each
+    on the flash form once."""
     rows = []
     for batch, ctx in (QUICK_VERIFY if quick else VERIFY):
         case = PagedCase(batch, ctx, 1, "vllm", 16)
         q1 = randn(batch, NUM_HEADS, HEAD)
         out1 = cupy.empty_like(q1)
-        decode_ms = _graph_ms(lambda: cuattn.paged_attention(
-            q1, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, out=out1),
-            flush=True)
+        calls = {1: lambda: cuattn.paged_attention(
+            q1, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, out=out1)}
         for q_len in VERIFY_Q:
-            case.q_len = q_len
-            case.q = randn(batch * q_len, NUM_HEADS, HEAD)
-            case.out = cupy.empty_like(case.q)
-            case.cu_q = cupy.arange(0, (batch + 1) * q_len, q_len, dtype=np.int32)
-            ms = _graph_ms(case.prefill(), flush=True)
+            q = randn(batch * q_len, NUM_HEADS, HEAD)
+            cu_q = cupy.arange(0, (batch + 1) * q_len, q_len, dtype=np.int32)
+            calls[q_len] = lambda q=q, out=cupy.empty_like(q), cu_q=cu_q, q_len=q_len: \
+                cuattn.paged_prefill(q, case.k_cache, case.v_cache, case.block_tables,
+                                     case.seq_lens, cu_q, q_len, out=out)
+        ms = _rounds_ms(calls, flush=True)
+        decode_ms = ms[1]
+        for q_len in VERIFY_Q:
             with tuning.override(prefill_form="flash"):
-                flash_ms = _graph_ms(case.prefill(), flush=True)
-            gbps = case.kv_bytes / ms / 1e6
+                flash_ms = _graph_ms(calls[q_len], flush=True)
+            gbps = case.kv_bytes / ms[q_len] / 1e6
             rows.append({"config": f"{batch} x ctx {ctx}", "new tokens": q_len,
-                         "verify us": ms * 1e3, "decode us": decode_ms * 1e3,
-                         "verify/decode": ms / decode_ms, "GB/s": gbps,
+                         "verify us": ms[q_len] * 1e3, "decode us": decode_ms * 1e3,
+                         "verify/decode": ms[q_len] / decode_ms, "GB/s": gbps,
                          "% read BW": 100 * gbps / ceilings.read_gbps,
                          "flash-form us": flash_ms * 1e3})
-        del case
+        del case, calls
         cupy.get_default_memory_pool().free_all_blocks()
     return rows
 
 
-def _rounds_ms(calls: dict) -> dict:
+def _rounds_ms(calls: dict, flush: bool = False) -> dict:
     """Each call's median over ROUNDS rounds of settled graph times, the calls taken in turn
     within a round, so that a drift of the clocks lands on all of them alike (one
     measurement of a call without a hook, taken first, once read 17% slow)."""
     times = {name: [] for name in calls}
     for _ in range(ROUNDS):
         for name, fn in calls.items():
-            times[name].append(_graph_ms(fn, settle_s=SETTLE_S))
+            times[name].append(_graph_ms(fn, flush=flush, settle_s=SETTLE_S))
     return {name: statistics.median(t) for name, t in times.items()}
 
 
