@@ -149,8 +149,8 @@ __device__ void paged_attention_mma_kernel(const PagedParams& p) {
 
   // ---- Q^T as the B operand: (dims 16 ks + 2t.., column 8 nt + g), zero columns past the
   // sequence's tokens; in registers once, or (Q_SMEM) in shared memory ----
-  const unsigned short* q_rows = static_cast<const unsigned short*>(p.q);
-  auto q_at = [&](int c, int d) -> unsigned short {   // one element, 0 past the columns
+  const unsigned short* q_rows = static_cast<const unsigned short*>(p.q);  // 2-byte loads:
+  auto q_at = [&](int c, int d) -> unsigned short {                        // odd head strides
     const bool valid = c < COLS && c / GROUP < q_len;
     return valid ? q_rows[(row0 + c / GROUP) * p.q_stride_seq + (head0 + c % GROUP) * p.q_stride_head + d]
                  : 0;
@@ -158,9 +158,10 @@ __device__ void paged_attention_mma_kernel(const PagedParams& p) {
   u32 qb[Tr::Q_SMEM ? 1 : KS][NT][2];
   const u32 q_smem = smem_addr(smem + Tr::RING_BYTES);
   if constexpr (Tr::Q_SMEM) {
-    // 16-byte copies (the host checks q's address and strides for them), a cp.async group of
-    // their own, in flight with the first K/V tiles: one round trip. (Element loads into
-    // shared memory waited one round trip per few elements: ~9% of the 8-token call.)
+    // 16-byte copies (paged_prefill, the only caller with more than one n-tile, checks q's
+    // address and strides for them), a cp.async group of their own, in flight with the first
+    // K/V tiles: one round trip. (Element loads into shared memory waited one round trip per
+    // few elements: ~9% of the 8-token call.)
     constexpr int DCH = HEAD_SIZE / 8;   // 16-byte chunks of a column
     for (int i = threadIdx.x; i < 8 * Tr::Q_NT * DCH; i += NUM_WARPS * 32) {
       const int c = i / DCH, d = 8 * (i % DCH);
