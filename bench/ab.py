@@ -183,8 +183,7 @@ def verify_cases(quick: bool) -> Iterator[Case]:
     for batch, ctx in suite_prefill.QUICK_VERIFY if quick else suite_prefill.VERIFY:
         case = suite_prefill.PagedCase(batch, ctx, 1, "vllm", 16)
         for q_len in suite_prefill.VERIFY_Q:
-            q = randn(batch * q_len, suite_prefill.NUM_HEADS, suite_prefill.HEAD)
-            cu = cupy.arange(0, (batch + 1) * q_len, q_len, dtype=np.int32)
+            q, cu = suite_prefill.verify_query(batch, q_len)
 
             def make(ca, q=q, cu=cu, q_len=q_len, c=case):
                 out = cupy.empty_like(q)

@@ -128,6 +128,12 @@ def prefill_rows(quick: bool) -> list[dict]:
     return rows
 
 
+def verify_query(batch: int, q_len: int):
+    """(q, cu_seqlens_q) of a verify row: q_len new tokens for each of batch sequences."""
+    return (randn(batch * q_len, NUM_HEADS, HEAD),
+            cupy.arange(0, (batch + 1) * q_len, q_len, dtype=np.int32))
+
+
 def verify_rows(ceilings, quick: bool) -> list[dict]:
     """Per shape: single-token paged_attention and paged_prefill with each VERIFY_Q new
     tokens in ROUNDS rounds, taken in turn, L2 flushed (_rounds_ms; measured once each in a
@@ -141,8 +147,7 @@ def verify_rows(ceilings, quick: bool) -> list[dict]:
         calls = {1: lambda: cuattn.paged_attention(
             q1, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, out=out1)}
         for q_len in VERIFY_Q:
-            q = randn(batch * q_len, NUM_HEADS, HEAD)
-            cu_q = cupy.arange(0, (batch + 1) * q_len, q_len, dtype=np.int32)
+            q, cu_q = verify_query(batch, q_len)
             calls[q_len] = lambda q=q, out=cupy.empty_like(q), cu_q=cu_q, q_len=q_len: \
                 cuattn.paged_prefill(q, case.k_cache, case.v_cache, case.block_tables,
                                      case.seq_lens, cu_q, q_len, out=out)
