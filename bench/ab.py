@@ -2,7 +2,7 @@
 
     scripts/ab_prepare.sh OLD_COMMIT DIR        # DIR/cuattn_old/ + DIR/cuda_src/
     PYTHONPATH=. python bench/ab.py --old DIR [--suites flash decode merge verify] [--quick]
-        [--json F]
+        [--settle S] [--json F]
 
 "new" is the ``cuattn`` of this checkout (the tree holding this file), "old" is
 ``DIR/cuattn_old`` (the old commit's package, renamed; it finds its own kernels in
@@ -15,7 +15,10 @@ Each configuration builds its inputs once; both trees run on those same inputs (
 its own output). Each tree's call is captured once in a CUDA graph (``harness.CupyGraph``:
 ``calls`` back-to-back calls per replay), then ``ROUNDS`` (--rounds) rounds alternate the trees
 (old, new / new, old / ...), each round one replay median per tree; a tree's time is the
-median of its rounds. Kernel-only on both sides, so the host path never enters. Decode and
+median of its rounds. Kernel-only on both sides, so the host path never enters. ``--settle S``
+replays each graph back to back for S seconds before each measurement: without it the
+times are those after an idle spell (boost clocks), with 0.3 those of a sustained load,
+where a kernel with more instructions per byte than decode may read slower. Decode and
 split-KV flash (memory-bound shapes) replay one call after a clean L2 flush
 (``harness.L2Flush``), as bench/suite_decode.py does; prefill and merge replay 5 and 10
 calls with no flush, as their suites do. "max abs diff" is the largest difference of the
@@ -282,8 +285,10 @@ def _max_diff(a, b) -> float | None:
     return float(cupy.abs(a.astype(np.float32) - b.astype(np.float32)).max())
 
 
-def ab_one(case: Case, trees: dict, flush: L2Flush, rounds: int = ROUNDS) -> dict:
-    """Time one case on every tree: capture each, then interleaved rounds of replays."""
+def ab_one(case: Case, trees: dict, flush: L2Flush, rounds: int = ROUNDS,
+           settle_s: float = 0.0) -> dict:
+    """Time one case on every tree: capture each, then interleaved rounds of replays
+    (each measurement settled for ``settle_s`` first: harness.event_median_ms)."""
     graphs, outs, notes = {}, {}, []
     for name, tree in trees.items():
         try:
@@ -298,7 +303,8 @@ def ab_one(case: Case, trees: dict, flush: L2Flush, rounds: int = ROUNDS) -> dic
     for r in range(rounds):
         for name in order if r % 2 == 0 else order[::-1]:
             times[name].append(1e3 * graphs[name].median_ms(
-                n_warmup=n_warmup, n_repeat=n_repeat, flush=flush if case.flush else None))
+                n_warmup=n_warmup, n_repeat=n_repeat, flush=flush if case.flush else None,
+                settle_s=settle_s))
     us = {name: statistics.median(t) for name, t in times.items()}
     config = case.config
     if case.detail is not None:
@@ -399,6 +405,10 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="a few configurations per suite")
     parser.add_argument("--rounds", type=int, default=ROUNDS,
                         help=f"interleaved rounds per configuration (default {ROUNDS})")
+    parser.add_argument("--settle", type=float, default=0.0, metavar="S",
+                        help="replay each tree's graph back to back for S seconds, untimed, "
+                             "before each measurement: the clocks of a sustained load (the "
+                             "suites use 0.3); default 0, the clocks after an idle spell")
     parser.add_argument("--json", help="write the rows and the summary to this file")
     parser.add_argument("--no-precompile", action="store_true",
                         help="skip the precompile step (first calls compile on demand)")
@@ -412,7 +422,7 @@ def main(argv=None) -> int:
     rows = []
     t0 = time.perf_counter()
     for case in cases(args.suites, args.quick, trees["new"]):
-        rows.append(ab_one(case, trees, flush, args.rounds))
+        rows.append(ab_one(case, trees, flush, args.rounds, args.settle))
         r = rows[-1]
         print(f"{r['suite']:12s} {r['config']:48s} old {r['old us'] or float('nan'):10.1f} us  "
               f"new {r['new us'] or float('nan'):10.1f} us  {r['flag']}", flush=True)
@@ -423,7 +433,7 @@ def main(argv=None) -> int:
              for r in rows]
     title = (f"A/B: new ({Path(trees['new'].__file__).parent}) vs old "
              f"({Path(trees['old'].__file__).parent}), kernel-only (CUDA-graph replays), "
-             "us per call")
+             f"us per call, settled {args.settle:g} s")
     print(format_table(shown, title))
     lines = summary(rows) + [f"seconds: precompile {seconds['precompile']:.0f}, "
                              f"timing {seconds['timing']:.0f}, total {seconds['total']:.0f}"]
