@@ -80,6 +80,13 @@ struct PagedMmaTraits {
   // measured 1.01-1.03x (decode) and 1.11-1.28x (4 new tokens), its main loop compiled
   // differently, so they keep the per-element form (bench/NOTES.md, session 15).
   static constexpr bool NORM_ONCE = NT >= 4;
+  // Lazy rescale (FlashAttention-4's rule), with 4 n-tiles and more: a column's max moves
+  // only when a logit of the tile passes it by more than RESCALE_SLACK (log2 units), so most
+  // tiles skip the shuffles and the O^T rescale; the weights stay <= 2^8, far inside fp32,
+  // bf16 and fp16. 0.90-0.94x the 8-token call under a sustained load; with fewer n-tiles
+  // it cost registers (4 new tokens: 3 blocks an SM, 1.09-1.13x; bench/NOTES.md, session 17).
+  static constexpr bool LAZY_RESCALE = NT >= 4;
+  static constexpr float RESCALE_SLACK = 8.f;
   static constexpr int MERGE_BYTES = NUM_WARPS * 8 * NT * MERGE_ROW * 4;
   // More than one n-tile: Q^T waits in shared memory after the rings, [column][dim] rows
   // padded by 16 bytes (ldmatrix's 8 rows in 8 bank groups), n-tiles in pairs (ldmatrix
@@ -278,8 +285,12 @@ __device__ void paged_attention_mma_kernel(const PagedParams& p) {
   // Per column (log2 units, scale 1): max the same on all 8 lanes of a column, sum this
   // lane's rows only (added over the column at the end).
   SoftmaxState row[NT][2];
+  float base[NT][2];   // SoftmaxState::base of each column's max (0 while it is -inf)
 #pragma unroll
-  for (int nt = 0; nt < NT; ++nt) row[nt][0] = row[nt][1] = SoftmaxState::empty();
+  for (int nt = 0; nt < NT; ++nt) {
+    row[nt][0] = row[nt][1] = SoftmaxState::empty();
+    if constexpr (Tr::LAZY_RESCALE) base[nt][0] = base[nt][1] = 0.f;
+  }
 
 #pragma unroll
   for (int n = 0; n < STAGES - 1; ++n) issue(n);
@@ -344,25 +355,35 @@ __device__ void paged_attention_mma_kernel(const PagedParams& p) {
         }
       }
     }
-    float alpha[NT][2], base[NT][2];
+    // LAZY_RESCALE: the maxes move only when a logit of the tile passes its column's max by
+    // more than RESCALE_SLACK on some lane (a vote, no shuffles); else base stays that of
+    // the old max, and the weights below stay <= 2^RESCALE_SLACK.
+    bool grows = false;
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
+    for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-      for (int j = 0; j < 2; ++j) {
-#pragma unroll
-        for (int off = 4; off < 32; off *= 2)
-          tile_max[nt][j] = fmaxf(tile_max[nt][j], __shfl_xor_sync(0xffffffffu, tile_max[nt][j], off));
-        const float new_max = fmaxf(row[nt][j].max, tile_max[nt][j]);
-        base[nt][j] = SoftmaxState::base(new_max, 1.f);
-        alpha[nt][j] = row[nt][j].rescale(new_max, 1.f, base[nt][j]);
-      }
-    }
-#pragma unroll
-    for (int m = 0; m < KS; ++m) {
+      for (int j = 0; j < 2; ++j) grows |= tile_max[nt][j] > row[nt][j].max + Tr::RESCALE_SLACK;
+    if (!Tr::LAZY_RESCALE || __any_sync(0xffffffffu, grows)) {
+      float alpha[NT][2];
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
-        o[m][nt][0] *= alpha[nt][0]; o[m][nt][1] *= alpha[nt][1];
-        o[m][nt][2] *= alpha[nt][0]; o[m][nt][3] *= alpha[nt][1];
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+#pragma unroll
+          for (int off = 4; off < 32; off *= 2)
+            tile_max[nt][j] = fmaxf(tile_max[nt][j], __shfl_xor_sync(0xffffffffu, tile_max[nt][j], off));
+          const float new_max = fmaxf(row[nt][j].max, tile_max[nt][j]);
+          base[nt][j] = SoftmaxState::base(new_max, 1.f);
+          alpha[nt][j] = row[nt][j].rescale(new_max, 1.f, base[nt][j]);
+        }
+      }
+#pragma unroll
+      for (int m = 0; m < KS; ++m) {
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          o[m][nt][0] *= alpha[nt][0]; o[m][nt][1] *= alpha[nt][1];
+          o[m][nt][2] *= alpha[nt][0]; o[m][nt][3] *= alpha[nt][1];
+        }
       }
     }
     // P = exp2(S - max), packed to T and transposed into the B operand of P V. With one
