@@ -729,6 +729,28 @@ def test_few_token_form_head_sizes_and_groups(rng, head_size, nkv, group, dtype,
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("slope", [-0.4, 0.02, 0.06, 0.15, 0.5])
+@pytest.mark.parametrize("scale", [0.05, 1.5])
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_few_token_form_lazy_rescale(rng, slope, scale, num_splits):
+    """The forms of 4 n-tiles and more (8 new tokens x group 4, 16 x group 2) move a
+    column's max only when a logit passes it by more than 8 (log2 units). ALiBi slopes make
+    the logits grow along the keys by -9 to +12 log2 units a 16-key tile (the old max kept
+    over several tiles, or moved at each); a scale of 1.5 spreads them by tens; num_splits 4:
+    v2 partitions, each with its own kept max."""
+    for q_lens, group in (([8, 8, 3], 4), ([16, 11, 16], 2)):
+        b = make_batch(rng, contexts=[2500, 700, 64], q_lens=q_lens, nkv=2, group=group,
+                       head_size=128, block_size=16, dtype="bf16", layout="vllm")
+        assert tuning.paged_prefill_form("bf16", 128, b["max_seqlen_q"], sum(q_lens)) == "decode"
+        tokens, heads = tuning.paged_multi_token(128, group, b["max_seqlen_q"])
+        assert tokens * heads >= 32      # 4 n-tiles of 8 columns: the lazy rescale's forms
+        slopes = np.full(2 * group, slope, np.float32)
+        out, lse = run_prefill(b, softmax_scale=scale, alibi_slopes=slopes,
+                               num_splits=num_splits)
+        check(out, lse, *batch_reference(b, scale, causal=True, alibi=slopes), "bf16")
+
+
+@pytest.mark.gpu
 def test_few_token_form_agrees_with_the_flash_form(rng):
     """The same call on both kernels (tuning.override(prefill_form=...)), each against the
     reference, and near each other."""
