@@ -84,7 +84,8 @@ struct PagedMmaTraits {
   // only when a logit of the tile passes it by more than RESCALE_SLACK (log2 units), so most
   // tiles skip the shuffles and the O^T rescale; the weights stay <= 2^8, far inside fp32,
   // bf16 and fp16. 0.90-0.94x the 8-token call under a sustained load; with fewer n-tiles
-  // it cost registers (4 new tokens: 3 blocks an SM, 1.09-1.13x; bench/NOTES.md, session 17).
+  // it cost registers (4 new tokens: 3 blocks an SM, 1.09-1.13x; bench/NOTES.md, sessions
+  // 16 and 17).
   static constexpr bool LAZY_RESCALE = NT >= 4;
   static constexpr float RESCALE_SLACK = 8.f;
   static constexpr int MERGE_BYTES = NUM_WARPS * 8 * NT * MERGE_ROW * 4;
