@@ -186,7 +186,7 @@ def verify_cases(quick: bool) -> Iterator[Case]:
     for batch, ctx in suite_prefill.QUICK_VERIFY if quick else suite_prefill.VERIFY:
         case = suite_prefill.PagedCase(batch, ctx, 1, "vllm", 16)
         for q_len in suite_prefill.VERIFY_Q:
-            q, cu = suite_prefill.verify_query(batch, q_len)
+            q, cu = suite_prefill.new_queries(batch, q_len)
 
             def make(ca, q=q, cu=cu, q_len=q_len, c=case):
                 out = cupy.empty_like(q)

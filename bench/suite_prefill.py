@@ -48,6 +48,12 @@ SETTLE_S = 0.3
 ROUNDS = 3
 
 
+def new_queries(batch: int, q_len: int):
+    """(q, cu_seqlens_q): q_len new tokens for each of batch sequences, packed."""
+    return (randn(batch * q_len, NUM_HEADS, HEAD),
+            cupy.arange(0, (batch + 1) * q_len, q_len, dtype=np.int32))
+
+
 class PagedCase:
     """batch sequences of ctx tokens each in a paged cache of ``layout`` / ``block_size``,
     their K/V also contiguous (the same values), and q_len new tokens each at their end."""
@@ -65,8 +71,7 @@ class PagedCase:
         self.block_tables = cupy.random.permutation(num_blocks).astype(np.int32).reshape(
             batch, nblk)
         self.seq_lens = cupy.full((batch,), ctx, dtype=np.int32)
-        self.cu_q = cupy.arange(0, (batch + 1) * q_len, q_len, dtype=np.int32)
-        self.q = randn(batch * q_len, NUM_HEADS, HEAD)
+        self.q, self.cu_q = new_queries(batch, q_len)
         self.out = cupy.empty_like(self.q)
         if contiguous:
             self.k, self.v = self._gather(self.k_cache, "k"), self._gather(self.v_cache, "v")
@@ -128,12 +133,6 @@ def prefill_rows(quick: bool) -> list[dict]:
     return rows
 
 
-def verify_query(batch: int, q_len: int):
-    """(q, cu_seqlens_q) of a verify row: q_len new tokens for each of batch sequences."""
-    return (randn(batch * q_len, NUM_HEADS, HEAD),
-            cupy.arange(0, (batch + 1) * q_len, q_len, dtype=np.int32))
-
-
 def verify_rows(ceilings, quick: bool) -> list[dict]:
     """Per shape: single-token paged_attention and paged_prefill with each VERIFY_Q new
     tokens in ROUNDS rounds, taken in turn, L2 flushed (_rounds_ms; measured once each in a
@@ -141,13 +140,11 @@ def verify_rows(ceilings, quick: bool) -> list[dict]:
     on the flash form once."""
     rows = []
     for batch, ctx in (QUICK_VERIFY if quick else VERIFY):
-        case = PagedCase(batch, ctx, 1, "vllm", 16)
-        q1 = randn(batch, NUM_HEADS, HEAD)
-        out1 = cupy.empty_like(q1)
+        case = PagedCase(batch, ctx, 1, "vllm", 16)     # its q: one token a sequence
         calls = {1: lambda: cuattn.paged_attention(
-            q1, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, out=out1)}
+            case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, out=case.out)}
         for q_len in VERIFY_Q:
-            q, cu_q = verify_query(batch, q_len)
+            q, cu_q = new_queries(batch, q_len)
             calls[q_len] = lambda q=q, out=cupy.empty_like(q), cu_q=cu_q, q_len=q_len: \
                 cuattn.paged_prefill(q, case.k_cache, case.v_cache, case.block_tables,
                                      case.seq_lens, cu_q, q_len, out=out)
