@@ -359,16 +359,12 @@ __device__ void paged_attention_mma_kernel(const PagedParams& p) {
     // LAZY_RESCALE: the maxes move only when a logit of the tile passes its column's max by
     // more than RESCALE_SLACK on some lane (a vote, no shuffles); else base stays that of
     // the old max, and the weights below stay <= 2^RESCALE_SLACK.
-    bool moves = true;
-    if constexpr (Tr::LAZY_RESCALE) {
-      bool grows = false;
+    bool grows = false;
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
+    for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-        for (int j = 0; j < 2; ++j) grows |= tile_max[nt][j] > row[nt][j].max + Tr::RESCALE_SLACK;
-      moves = __any_sync(0xffffffffu, grows);
-    }
-    if (moves) {
+      for (int j = 0; j < 2; ++j) grows |= tile_max[nt][j] > row[nt][j].max + Tr::RESCALE_SLACK;
+    if (!Tr::LAZY_RESCALE || __any_sync(0xffffffffu, grows)) {
       float alpha[NT][2];
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
@@ -467,24 +463,6 @@ __device__ void paged_attention_mma_kernel(const PagedParams& p) {
     for (int w = 1; w < NUM_WARPS; ++w) m = fmaxf(m, state_s[w][c].max);
     return m;
   };
-  // Column c over the block: its state (the block max, the warps' sums weighed against it;
-  // v1: and the head's sink, v2's joins in the reduce) and the factor that normalises the
-  // warps' summed rows (0 for a column that saw no key: an empty sequence gives zeros).
-  struct ColumnNorm { SoftmaxState state; float factor; };
-  auto column_norm = [&](int c) {
-    SoftmaxState block{block_max(c), 0.f};
-    const float b = SoftmaxState::base(block.max, 1.f);
-#pragma unroll
-    for (int w = 0; w < NUM_WARPS; ++w)
-      block.sum = fmaf(state_s[w][c].sum, SoftmaxState::weight(state_s[w][c].max, 1.f, b),
-                       block.sum);
-    float alpha = 1.f;
-    if constexpr (Tr::SINKS && !V2) {
-      const float sink = static_cast<const float*>(p.sinks)[head0 + c % GROUP] * kLog2e;
-      alpha = block.add_sink(sink, 1.f);
-    }
-    return ColumnNorm{block, alpha * block.inv_sum()};
-  };
   float* merge = reinterpret_cast<float*>(smem);   // [NUM_WARPS][8 NT][MERGE_ROW]
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
@@ -503,14 +481,24 @@ __device__ void paged_attention_mma_kernel(const PagedParams& p) {
   __syncthreads();
 
   if constexpr (Tr::NORM_ONCE) {
-    // Each column's normaliser and lse, once; the output loop below only adds the warps'
-    // rows.
+    // Each column's normaliser, once: the block's sum over the warps' states (v1: and the
+    // head's sink) and the lse; the output loop below only adds the warps' rows.
     __shared__ float norm_s[8 * NT];
     for (int c = threadIdx.x; c < q_len * GROUP; c += NUM_WARPS * 32) {
-      const ColumnNorm norm = column_norm(c);
-      norm_s[c] = norm.factor;
+      SoftmaxState block{block_max(c), 0.f};
+      const float b = SoftmaxState::base(block.max, 1.f);
+#pragma unroll
+      for (int w = 0; w < NUM_WARPS; ++w)
+        block.sum = fmaf(state_s[w][c].sum, SoftmaxState::weight(state_s[w][c].max, 1.f, b),
+                         block.sum);
+      float alpha = 1.f;
+      if constexpr (Tr::SINKS && !V2) {   // (v2: in the reduce)
+        const float sink = static_cast<const float*>(p.sinks)[head0 + c % GROUP] * kLog2e;
+        alpha = block.add_sink(sink, 1.f);
+      }
+      norm_s[c] = alpha * block.inv_sum();   // an empty sequence (v1) gives zeros
       const PagedOutput<T, HEAD_SIZE, V2> output{p, row0 + c / GROUP, head0, part};
-      output.store_lse(c % GROUP, norm.state.lse(1.f));
+      output.store_lse(c % GROUP, block.lse(1.f));
     }
     __syncthreads();
 
@@ -536,13 +524,21 @@ __device__ void paged_attention_mma_kernel(const PagedParams& p) {
     // ---- write: v1 the output and lse, v2 the normalised partial output and its lse ---
     for (int i = threadIdx.x; i < q_len * GROUP * HEAD_SIZE; i += NUM_WARPS * 32) {
       const int c = i / HEAD_SIZE, d = i % HEAD_SIZE, h = c % GROUP;
-      const ColumnNorm norm = column_norm(c);
+      SoftmaxState block{block_max(c), 0.f};
+      const float b = SoftmaxState::base(block.max, 1.f);
       float acc = 0.f;
 #pragma unroll
-      for (int w = 0; w < NUM_WARPS; ++w) acc += merge[(w * 8 * NT + c) * Tr::MERGE_ROW + d];
+      for (int w = 0; w < NUM_WARPS; ++w) {
+        block.sum = fmaf(state_s[w][c].sum, SoftmaxState::weight(state_s[w][c].max, 1.f, b),
+                         block.sum);
+        acc += merge[(w * 8 * NT + c) * Tr::MERGE_ROW + d];
+      }
+      if constexpr (Tr::SINKS && !V2) {   // (v2: in the reduce)
+        acc *= block.add_sink(static_cast<const float*>(p.sinks)[head0 + h] * kLog2e, 1.f);
+      }
       const PagedOutput<T, HEAD_SIZE, V2> output{p, row0 + c / GROUP, head0, part};
-      output.store(h, d, acc * norm.factor);
-      if (d == 0) output.store_lse(h, norm.state.lse(1.f));
+      output.store(h, d, acc * block.inv_sum());   // an empty sequence (v1) gives zeros
+      if (d == 0) output.store_lse(h, block.lse(1.f));
     }
   }
 }
