@@ -359,12 +359,16 @@ __device__ void paged_attention_mma_kernel(const PagedParams& p) {
     // LAZY_RESCALE: the maxes move only when a logit of the tile passes its column's max by
     // more than RESCALE_SLACK on some lane (a vote, no shuffles); else base stays that of
     // the old max, and the weights below stay <= 2^RESCALE_SLACK.
-    bool grows = false;
+    bool moves = true;
+    if constexpr (Tr::LAZY_RESCALE) {
+      bool grows = false;
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
+      for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-      for (int j = 0; j < 2; ++j) grows |= tile_max[nt][j] > row[nt][j].max + Tr::RESCALE_SLACK;
-    if (!Tr::LAZY_RESCALE || __any_sync(0xffffffffu, grows)) {
+        for (int j = 0; j < 2; ++j) grows |= tile_max[nt][j] > row[nt][j].max + Tr::RESCALE_SLACK;
+      moves = __any_sync(0xffffffffu, grows);
+    }
+    if (moves) {
       float alpha[NT][2];
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
