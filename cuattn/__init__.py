@@ -1,7 +1,7 @@
 """cuattn: attention kernels for CuPy, compiled at run time with NVRTC.
 
 Public API (README.md, docs/ARCHITECTURE.md): flash_forward, flash_varlen_forward
-(FlashAttention-2 forward), paged_attention, paged_prefill, reshape_and_cache,
+(FlashAttention-2 forward), flash_backward, flash_varlen_backward (its gradients), paged_attention, paged_prefill, reshape_and_cache,
 paged_kv_cache_shapes (attention over a paged KV cache: decode, and new tokens against the
 cache), merge_attn_states, merge_states (combine partial
 attentions by their log-sum-exp).
@@ -11,9 +11,10 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from .flash import flash_forward, flash_varlen_forward
+from .flash_bwd import flash_backward, flash_varlen_backward
 from .merge import merge_attn_states, merge_states
 from .paged import paged_attention, paged_kv_cache_shapes, paged_prefill, reshape_and_cache
 
-__all__ = ["flash_forward", "flash_varlen_forward",
+__all__ = ["flash_forward", "flash_varlen_forward", "flash_backward", "flash_varlen_backward",
            "merge_attn_states", "merge_states", "paged_attention", "paged_kv_cache_shapes",
            "paged_prefill", "reshape_and_cache", "__version__"]

@@ -30,6 +30,7 @@ _OVERRIDE_KEYS = {
     "prefill_form": '"decode" or "flash": paged_prefill\'s kernel, wherever that one can run',
     "flash_path": '"wgmma" or "mma": the kernel of flash_forward / flash_varlen_forward',
     "flash_sm90_tiles": "FlashSm90Tiles of the Hopper forward kernel",
+    "flash_bwd_tiles": "FlashBwdTiles of the backward's main kernel (cuattn.tuning_bwd)",
 }
 _overrides: dict = {}
 
@@ -40,7 +41,8 @@ def override(**choices) -> Iterator[None]:
 
     Keys: flash_tiles (FlashTiles; implies the mma.sync path), prefill_tiles (FlashTiles),
     paged_form ("mma" / "simt"), paged_mma (PagedMmaTiles), multi_token_group (int),
-    prefill_form ("decode" / "flash"), flash_path ("wgmma" / "mma"), flash_sm90_tiles (FlashSm90Tiles).
+    prefill_form ("decode" / "flash"), flash_path ("wgmma" / "mma"), flash_sm90_tiles
+    (FlashSm90Tiles), flash_bwd_tiles (cuattn.tuning_bwd.FlashBwdTiles).
     The launch plans cached so far are dropped on entry and on exit.
     """
     unknown = sorted(set(choices) - set(_OVERRIDE_KEYS))

@@ -34,6 +34,27 @@ FLASH_PARAMS = ParamsStruct("FlashFwdParams", [
     ("softcap_out", "f32"), ("v_scale", "f32"), ("m_blocks", "i32"),
 ])
 
+FLASH_BWD_PARAMS = ParamsStruct("FlashBwdParams", [
+    ("q", "ptr"), ("k", "ptr"), ("v", "ptr"), ("out", "ptr"), ("dout", "ptr"), ("lse", "ptr"),
+    ("dq", "out"), ("dk", "out"), ("dv", "out"), ("dq_accum", "out"), ("dsum", "out"),
+    ("lse2", "out"), ("cu_seqlens_q", "ptr"), ("cu_seqlens_k", "ptr"), ("alibi_slopes", "ptr"),
+    ("sinks", "ptr"), ("dsinks", "out"),
+    ("q_stride_batch", "i64"), ("q_stride_row", "i64"), ("q_stride_head", "i64"),
+    ("k_stride_batch", "i64"), ("k_stride_row", "i64"), ("k_stride_head", "i64"),
+    ("v_stride_batch", "i64"), ("v_stride_row", "i64"), ("v_stride_head", "i64"),
+    ("o_stride_batch", "i64"), ("o_stride_row", "i64"), ("o_stride_head", "i64"),
+    ("do_stride_batch", "i64"), ("do_stride_row", "i64"), ("do_stride_head", "i64"),
+    ("dq_stride_batch", "i64"), ("dq_stride_row", "i64"), ("dq_stride_head", "i64"),
+    ("dk_stride_batch", "i64"), ("dk_stride_row", "i64"), ("dk_stride_head", "i64"),
+    ("dv_stride_batch", "i64"), ("dv_stride_row", "i64"), ("dv_stride_head", "i64"),
+    ("lse_stride_batch", "i64"), ("lse_stride_head", "i64"), ("lse_stride_row", "i64"),
+    ("batch", "i32"), ("num_heads", "i32"), ("head_group", "i32"), ("seqlen_q", "i32"),
+    ("seqlen_k", "i32"), ("total_q", "i32"), ("head_dim", "i32"), ("window_left", "i32"),
+    ("window_right", "i32"), ("dq_slices", "i32"), ("deterministic", "i32"),
+    ("scale_log2", "f32"), ("softmax_scale", "f32"), ("softmax_scale_inv", "f32"),
+    ("softcap_in", "f32"), ("softcap_out", "f32"),
+])
+
 MERGE_PARAMS = ParamsStruct("MergeParams", [
     ("out", "out"), ("out_lse", "out"),
     ("a_out", "ptr"), ("a_lse", "ptr"), ("b_out", "ptr"), ("b_lse", "ptr"),
@@ -297,6 +318,105 @@ class FlashCombineVariant(_CombineKey, Variant):
     kernel: ClassVar[str] = "flash_fwd_combine_kernel"
     traits: ClassVar[str] = "FlashCombineTraits"
     params: ClassVar[ParamsStruct] = FLASH_PARAMS
+
+
+# ---- flash backward (cuda_src/flash_bwd.cuh) ------------------------------------------------------
+
+@dataclass(frozen=True)
+class FlashBwdVariant(Variant):
+    """The backward's main kernel: one block per KV tile, 16 keys per warp (mma.sync)."""
+    dtype: str            # f16 / bf16
+    head_dim: int         # compiled head dim (a multiple of 32)
+    block_m: int          # query rows per tile (a multiple of 32)
+    num_warps: int        # BLOCK_N = 16 x num_warps keys
+    q_chunk: int          # queries of a tile whose scores a warp holds at once (a multiple of 16)
+    mask: int             # MASK_NONE / MASK_CAUSAL / MASK_WINDOW
+    features: int = 0     # FEAT_SOFTCAP / FEAT_ALIBI (sinks change nothing here)
+
+    op: ClassVar[str] = "flash_bwd"
+    header: ClassVar[str] = "flash_bwd.cuh"
+    kernel: ClassVar[str] = "flash_bwd_kernel"
+    traits: ClassVar[str] = "FlashBwdTraits"
+    params: ClassVar[ParamsStruct] = FLASH_BWD_PARAMS
+    smem_from_traits: ClassVar[bool] = True
+
+    def __post_init__(self):
+        row_tiles = self.block_m // 16
+        if self.mask not in _MASK_NAMES or self.features & ~(FEAT_SOFTCAP | FEAT_ALIBI) or \
+                self.head_dim % 32 or self.block_m % 32 or self.num_warps % row_tiles or \
+                (self.head_dim // (self.num_warps // row_tiles)) % 16 or self.q_chunk % 16 or \
+                self.block_m % self.q_chunk:
+            raise ValueError(f"FlashBwdVariant: mask 0 to 2 (got {self.mask}), features softcap "
+                             f"/ alibi (got {self.features}), head_dim and block_m multiples of "
+                             f"32 (got {self.head_dim}, {self.block_m}), num_warps a multiple "
+                             f"of block_m / 16 splitting head_dim into k16 steps (got "
+                             f"{self.num_warps}), q_chunk a multiple of 16 dividing block_m "
+                             f"(got {self.q_chunk})")
+
+    def name_parts(self):
+        return (self.dtype, f"hd{self.head_dim}", f"bm{self.block_m}", f"w{self.num_warps}",
+                f"qc{self.q_chunk}", _MASK_NAMES[self.mask]) + _feature_parts(self.features)
+
+    def traits_args(self):
+        return (BY_SHORT[self.dtype].cpp, self.head_dim, self.block_m, self.num_warps,
+                self.q_chunk, self.mask, self.features)
+
+    @property
+    def block_n(self) -> int:
+        return 16 * self.num_warps
+
+    @property
+    def num_threads(self) -> int:
+        return 32 * self.num_warps
+
+    @property
+    def min_blocks(self) -> int | None:
+        return 1      # up to 255 registers: dK and dV of a warp's keys live in registers
+
+    @property
+    def dynamic_smem_bytes(self) -> int:
+        # K and V tiles + 2 stages x (Q tile, dO tile, lse2 and D rows) + the dS^T tile,
+        # 2-byte elements (pinned to Traits::SMEM_BYTES)
+        kv = 2 * 2 * self.block_n * self.head_dim
+        stage = 2 * 2 * self.block_m * self.head_dim + 2 * 4 * self.block_m
+        return kv + 2 * stage + 2 * self.block_n * self.block_m
+
+
+@dataclass(frozen=True)
+class _BwdRowsKey:
+    """The key of a backward kernel that takes one warp per (token, head) row (the pre-pass,
+    the dQ convert) or a block per head (the sinks' gradient): <T, HEAD_DIM, THREADS>."""
+    dtype: str
+    head_dim: int         # compiled head dim: bounds the per-lane column passes
+    threads: int
+
+    header: ClassVar[str] = "flash_bwd.cuh"
+    traits: ClassVar[str] = "FlashBwdRowsTraits"
+    params: ClassVar[ParamsStruct] = FLASH_BWD_PARAMS
+
+    def name_parts(self):
+        return (self.dtype, f"hd{self.head_dim}", f"t{self.threads}")
+
+    def traits_args(self):
+        return (BY_SHORT[self.dtype].cpp, self.head_dim, self.threads)
+
+
+@dataclass(frozen=True)
+class FlashBwdPrepVariant(_BwdRowsKey, Variant):
+    op: ClassVar[str] = "flash_bwd_prep"
+    kernel: ClassVar[str] = "flash_bwd_prep_kernel"
+
+
+@dataclass(frozen=True)
+class FlashBwdDqVariant(_BwdRowsKey, Variant):
+    op: ClassVar[str] = "flash_bwd_dq"
+    kernel: ClassVar[str] = "flash_bwd_dq_kernel"
+
+
+@dataclass(frozen=True)
+class FlashBwdDsinksVariant(_BwdRowsKey, Variant):
+    op: ClassVar[str] = "flash_bwd_dsinks"
+    kernel: ClassVar[str] = "flash_bwd_dsinks_kernel"
 
 
 # ---- merge (cuda_src/merge_attn_states.cuh) --------------------------------------------------------

@@ -89,3 +89,71 @@ def attention_reference(q, k, v, scale, *, causal=False, window=(-1, -1), softca
             out[:, h] = np.where(denom[:, None] > 0, (p @ v[:, h // group]) / denom[:, None], 0.0)
             lse[h] = np.where(denom > 0, safe + np.log(denom), -np.inf)
     return out, lse
+
+
+def attention_backward_reference(q, k, v, dout, scale, *, causal=False, window=(-1, -1),
+                                 softcap=0.0, alibi=None, sinks=None, lowp=None):
+    """Float64 gradients of attention_reference's out for one sequence: (dq, dk, dv, dsinks).
+
+    q, dout (sq, H, D); k, v (sk, Hkv, D); dk / dv of a KV head sum its query heads; dsinks
+    (H,) or None. The algebra (FlashAttention-2's backward, from first principles): with the
+    hooked logits z = softcap * tanh(s / softcap) - bias of the scaled scores s = scale q k^T,
+    P = exp(z - lse) (lse over the visible keys and the sink), dV = P^T dO, dP = dO V^T,
+    D_i = sum_j P_ij dP_ij = rowsum(dO * out), dZ = P (dP - D), dS = dZ (1 - tanh^2),
+    dQ = scale dS K, dK = scale dS^T Q, dsink_h = -sum_i P_sink(i) D_i.
+    lowp (a NumPy dtype): the same math with every intermediate rounded to it (the error
+    of doing it in the input precision: FlashAttention's tolerance rule).
+    """
+    rnd = (lambda x: x) if lowp is None else (lambda x: _round_to(x, lowp))
+    q, k, v, dout = (rnd(np.asarray(x, np.float64)) for x in (q, k, v, dout))
+    sq, nheads, _ = q.shape
+    sk, nkv, _ = k.shape
+    group = nheads // nkv
+    pos = np.arange(sq)[:, None] + sk - sq
+    j = np.arange(sk)[None, :]
+    left, right = window
+    if causal:
+        right = 0
+    visible = np.ones((sq, sk), bool)
+    if right >= 0:
+        visible &= j <= pos + right
+    if left >= 0:
+        visible &= j >= pos - left
+    dq, dk, dv = np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape)
+    dsinks = np.zeros(nheads) if sinks is not None else None
+    for h in range(nheads):
+        kh, vh = k[:, h // group], v[:, h // group]
+        s = rnd(scale * (q[:, h] @ kh.T))
+        t = np.tanh(s / softcap) if softcap > 0 else None
+        z = softcap * t if softcap > 0 else s
+        if alibi is not None:
+            z = z - float(alibi[h]) * np.abs(pos - j)
+        z = np.where(visible, z, -np.inf)
+        m = z.max(axis=1, initial=-np.inf)
+        if sinks is not None:
+            m = np.maximum(m, float(sinks[h]))
+        safe = np.where(np.isinf(m), 0.0, m)
+        e = np.exp(z - safe[:, None])
+        denom = e.sum(axis=1) + (np.exp(float(sinks[h]) - safe) if sinks is not None else 0.0)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            p = np.where(denom[:, None] > 0, e / denom[:, None], 0.0)
+            p_sink = (np.where(denom > 0, np.exp(float(sinks[h]) - safe) / denom, 0.0)
+                      if sinks is not None else None)
+        p = rnd(p)
+        out = rnd(p @ vh)
+        dp = rnd(dout[:, h] @ vh.T)
+        d = (dout[:, h] * out).sum(axis=1)
+        dz = rnd(p * (dp - d[:, None]))
+        ds = dz * (1.0 - t * t) if softcap > 0 else dz
+        ds = rnd(ds)
+        dq[:, h] = scale * (ds @ kh)
+        dk[:, h // group] += scale * (ds.T @ q[:, h])
+        dv[:, h // group] += p.T @ dout[:, h]
+        if sinks is not None:
+            dsinks[h] = -(p_sink * d).sum()
+    return rnd(dq), rnd(dk), rnd(dv), dsinks
+
+
+def _round_to(x, dtype):
+    """Round float64 values to ``dtype`` (fp16 / bf16, nearest even) and back to float64."""
+    return np.asarray(x, np.float64).astype(np.float32).astype(dtype).astype(np.float64)

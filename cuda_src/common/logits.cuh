@@ -44,6 +44,19 @@ struct LogitsHook {
     return x;
   }
 
+  // The same with its derivative d hook / d x beside it (the backward's chain rule):
+  // softcap's 1 - tanh^2 (cap_out * cap_in = 1), ALiBi's 1.
+  __device__ __forceinline__ float operator()(float x, int q_pos, int k_pos, float& dx) const {
+    dx = 1.f;
+    if constexpr (SOFTCAP) {
+      const float t = tanh_approx(x * cap_in);
+      x = cap_out * t;
+      dx = fmaf(-t, t, 1.f);
+    }
+    if constexpr (ALIBI) x -= slope * fabsf(float(k_pos - q_pos));
+    return x;
+  }
+
   // MONOTONE: the max of the hooked scores from the max of the raw ones (-inf: none).
   __device__ __forceinline__ float of_max(float raw_max) const {
     static_assert(MONOTONE, "a hook that is increasing and the same at every position");

@@ -40,6 +40,21 @@ struct BandMask {
     return r;
   }
 
+  // The mirror for the backward: for keys [j0, j1] of a tile (j1 < sk) and queries [0, sq),
+  // the rows [begin, end) that see any of them and [full_begin, full_end) that see all.
+  __device__ __forceinline__ Range rows(int j0, int j1, int sq) const {
+    Range r{0, sq, 0, sq};
+    if (BAND) {
+      r.begin = max(0, j0 - diag - right);
+      r.full_begin = max(0, j1 - diag - right);
+    }
+    if (LEFT) {
+      r.end = min(sq, j1 - diag + left + 1);
+      r.full_end = max(0, min(sq, j0 - diag + left + 1));
+    }
+    return r;
+  }
+
   __device__ __forceinline__ bool visible(int i, int j, int sk) const {
     bool ok = j < sk;
     if (BAND) ok = ok && j <= i + diag + right;

@@ -108,6 +108,11 @@ __device__ __forceinline__ void cp_async_8(u32 dst, const void* src, int src_byt
   asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n"
                :: "r"(dst), "l"(src), "r"(src_bytes));
 }
+// 4 bytes (through L1); src_bytes 0 zero-fills.
+__device__ __forceinline__ void cp_async_4(u32 dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n"
+               :: "r"(dst), "l"(src), "r"(src_bytes));
+}
 // The same with an L2 cache policy (from l2_evict_first_policy): for data read exactly once,
 // such as a KV cache in decode, so that its lines are the first to go and neither evict
 // lines the next kernels want nor wait on dirty lines being written back.

@@ -1,0 +1,102 @@
+"""The backward's launch-shape choices (flash_backward / flash_varlen_backward), beside
+cuattn.tuning (the forward's and the other ops'), whose ``override`` forces them too
+(``flash_bwd_tiles``). Each choice carries its measurement, or says it is a first guess.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from . import tuning
+from .tuning import compiled_head_dim
+from .variants import (SM90_ARCH, FEAT_ALIBI, FEAT_SOFTCAP, FlashBwdDqVariant, FlashBwdDsinksVariant,
+                       FlashBwdPrepVariant, FlashBwdVariant)
+
+
+@dataclass(frozen=True)
+class FlashBwdTiles:
+    block_m: int      # query rows per tile (a multiple of 32)
+    num_warps: int    # 16 keys per warp: BLOCK_N = 16 x num_warps
+    q_chunk: int      # queries whose S^T and dP^T a warp holds at once (divides block_m)
+
+
+# (compiled head dim) -> FlashBwdTiles, by shared memory per block. Shared memory = K and V
+# tiles + 2 x (Q and dO tiles) + the dS^T tile (FlashBwdVariant.dynamic_smem_bytes);
+# registers: dK and dV of a warp's 16 keys (HEAD_DIM / 2 each) + two q_chunk / 2 score tiles
+# within 255 (above head dim 128 the kernel walks the query tiles twice, dV then dK). First
+# guesses from the ptxas report at sm_90 and each family's limit (sm_90 227 KB, sm_80 163 KB,
+# sm_86 / sm_89 99 KB per block).
+_BWD_BIG_SMEM = {          # sm_90 (and sm_80 but hd256)
+    32: FlashBwdTiles(64, 8, 64),
+    64: FlashBwdTiles(64, 8, 32),
+    96: FlashBwdTiles(64, 8, 16),
+    128: FlashBwdTiles(64, 8, 16),
+    160: FlashBwdTiles(32, 4, 32),
+    192: FlashBwdTiles(32, 8, 32),
+    256: FlashBwdTiles(32, 8, 16),
+}
+_BWD_SM80 = dict(_BWD_BIG_SMEM)
+_BWD_SM80[256] = FlashBwdTiles(32, 4, 16)    # 200 KB at sm_90's tiles
+_BWD_SMALL_SMEM = {        # sm_86, sm_89
+    32: FlashBwdTiles(64, 4, 64),
+    64: FlashBwdTiles(64, 4, 32),
+    96: FlashBwdTiles(32, 4, 16),
+    128: FlashBwdTiles(32, 4, 16),
+    160: FlashBwdTiles(32, 2, 32),
+    192: FlashBwdTiles(32, 2, 32),
+    256: FlashBwdTiles(32, 2, 16),
+}
+
+
+# Head dims the backward is compiled for: the forward's (multiples of 32) but 224, which runs
+# as 256: its 28-chunk rows split into neither the dQ column groups of 8 warps nor two
+# groups' registers of 4 (168 B of spills at 32 x 4 warps).
+BWD_HEAD_DIMS = (32, 64, 96, 128, 160, 192, 256)
+
+
+def bwd_head_dim(head_dim: int) -> int:
+    """The head dim the backward kernels are compiled for (a real one rounded up)."""
+    return next(hd for hd in BWD_HEAD_DIMS if hd >= compiled_head_dim(head_dim))
+
+
+def flash_bwd_tiles(arch: str, head_dim: int) -> FlashBwdTiles:
+    forced = tuning._overrides.get("flash_bwd_tiles")
+    if forced is not None:
+        return forced
+    if arch in ("sm_86", "sm_87", "sm_89"):
+        table = _BWD_SMALL_SMEM
+    else:
+        table = _BWD_BIG_SMEM if arch == SM90_ARCH else _BWD_SM80
+    return table[head_dim]
+
+
+def flash_bwd_variant(dtype: str, head_dim: int, *, mask: int, arch: str,
+                      features: int = 0) -> FlashBwdVariant:
+    """The backward's main kernel for a real head dim, a mask kind, an arch and the call's
+    FEAT_* bits (sinks need nothing of it: their gradient is flash_bwd_dsinks_kernel's)."""
+    hd = bwd_head_dim(head_dim)
+    t = flash_bwd_tiles(arch, hd)
+    return FlashBwdVariant(dtype, hd, t.block_m, t.num_warps, t.q_chunk, mask,
+                           features & (FEAT_SOFTCAP | FEAT_ALIBI))
+
+
+# The row kernels (pre-pass, dQ convert, sinks): one warp per (token, head) row.
+FLASH_BWD_ROWS_THREADS = 256
+
+
+def flash_bwd_row_variants(dtype: str, head_dim: int):
+    """(pre-pass, dQ convert, sinks' gradient) kernels for a real head dim."""
+    hd = bwd_head_dim(head_dim)
+    return (FlashBwdPrepVariant(dtype, hd, FLASH_BWD_ROWS_THREADS),
+            FlashBwdDqVariant(dtype, hd, FLASH_BWD_ROWS_THREADS),
+            FlashBwdDsinksVariant(dtype, hd, FLASH_BWD_ROWS_THREADS))
+
+
+def flash_bwd_dq_slices(deterministic: bool, n_key_tiles: int, batch: int, nheads_kv: int,
+                        sm_count: int) -> int:
+    """Slices of the dQ workspace (the main kernel's grid x): 1 for atomics from every key
+    tile's block; deterministically, enough block columns to fill the SMs once (each walks
+    its key tiles in order and adds into its own slice; the convert sums the slices in
+    order), FlashAttention-2's rule."""
+    if not deterministic:
+        return 1
+    return max(1, min(n_key_tiles, -(-sm_count // max(1, batch * nheads_kv))))

@@ -1,0 +1,649 @@
+// FlashAttention-2 backward: dQ, dK, dV of out = softmax(scale * hook(Q K^T) + mask) V from the
+// forward's out and lse, recomputing P = exp(scale * S - lse) tile by tile instead of storing it
+// (Dao 2023, "FlashAttention-2", Algorithm 2). Four kernels:
+//   flash_bwd_prep_kernel    D = rowsum(dO * O), lse in log2 units, the dQ workspace zeroed;
+//   flash_bwd_kernel         one block per KV tile: dK, dV in registers across the query tiles
+//                            (and query heads of its KV head) that see it; dQ added in fp32;
+//   flash_bwd_dq_kernel      the fp32 workspace (its slices summed in order) to dQ in T;
+//   flash_bwd_dsinks_kernel  each sink's gradient, -sum_i P_sink(i) D_i, in a fixed order.
+// The parts are the forward's (flash_fwd.cuh): BandMask (with rows(), the inverse of keys()),
+// the logits hook (with its derivative), the traits' FEATURES bits, the swizzled tiles.
+#pragma once
+#include "flash_fwd.cuh"
+#include "params/flash_bwd.cuh"
+
+#ifndef EXP_KS_UNROLL
+#define EXP_KS_UNROLL 1
+#endif
+#ifndef EXP_DQ_UNROLL
+#define EXP_DQ_UNROLL 1
+#endif
+namespace cuattn {
+
+// What one pass over the query tiles computes (FlashBwdTraits PASSES).
+enum : int { kBwdDv = 1, kBwdDk = 2, kBwdDq = 4, kBwdAll = 7 };
+
+// Every knob of the main backward kernel (cuattn.variants.FlashBwdVariant, chosen by
+// cuattn/tuning_bwd.py) and every constant derived from them.
+//   BLOCK_M    query rows per tile (a multiple of 32: the dS tile's rows are swizzled).
+//   NUM_WARPS  each warp owns 16 keys of the KV tile: BLOCK_N = 16 NUM_WARPS; its dK and dV
+//              rows stay in its registers. For dQ = dS K the warps tile the BLOCK_M x HEAD_DIM
+//              product instead: BLOCK_M / 16 row tiles x DQ_GROUPS column groups.
+//   Q_CHUNK    queries of a tile whose S^T and dP^T a warp holds at once (fp32, 16 keys each):
+//              the tile is taken in BLOCK_M / Q_CHUNK column chunks, each through P, dS and its
+//              share of dV, dK (their k16 steps), so that dK, dV and the two chunks fit 255
+//              registers.
+//   MASK, FEATURES  as the forward's (kSoftcap, kAlibi; sinks need nothing here).
+// Above head dim 128, dK and dV together would not fit in registers: PASSES = 2 walks the
+// query tiles twice, first for dV (S, P), then for dK and dQ (S, P, dP, dS).
+template <typename T_, int HEAD_DIM_, int BLOCK_M_, int NUM_WARPS_, int Q_CHUNK_, int MASK_,
+          int FEATURES_>
+struct FlashBwdTraits : FlashFeatures<FEATURES_> {
+  using T = T_;
+  using Mask = BandMask<MASK_>;
+  static constexpr int HEAD_DIM = HEAD_DIM_;
+  static constexpr int BLOCK_M = BLOCK_M_;
+  static constexpr int NUM_WARPS = NUM_WARPS_;
+  static constexpr int Q_CHUNK = Q_CHUNK_;
+  static constexpr int THREADS = NUM_WARPS * 32;
+  static constexpr int BLOCK_N = 16 * NUM_WARPS;
+  static constexpr int D_CHUNKS = HEAD_DIM / 8;        // 16-byte chunks of a Q / K / V row
+  static constexpr int M_CHUNKS = BLOCK_M / 8;         // of a dS^T row (8 queries)
+  static constexpr int K_STEPS = HEAD_DIM / 16;        // k16 steps of S^T = K Q^T, dP^T = V dO^T
+  static constexpr int C_N_TILES = Q_CHUNK / 8;        // n8 tiles of a chunk of S^T (queries)
+  static constexpr int C_K_STEPS = Q_CHUNK / 16;       // its k16 steps of dV += P^T dO, dK += dS^T Q
+  static constexpr int D_N_TILES = HEAD_DIM / 8;       // n8 tiles of dK, dV
+  static constexpr int DQ_ROW_TILES = BLOCK_M / 16;
+  static constexpr int DQ_GROUPS = NUM_WARPS / DQ_ROW_TILES;
+  static constexpr int DQ_DIMS = HEAD_DIM / DQ_GROUPS;  // dims of dQ per warp
+  static constexpr int DQ_N_TILES = DQ_DIMS / 8;
+  static constexpr int PASSES = HEAD_DIM > 128 ? 2 : 1;
+  static constexpr int STAGES = 2;                     // Q, dO, lse2, D of the next query tile
+  static constexpr int KV_TILE_BYTES = BLOCK_N * HEAD_DIM * 2;
+  static constexpr int QO_TILE_BYTES = BLOCK_M * HEAD_DIM * 2;
+  static constexpr int STAGE_BYTES = 2 * QO_TILE_BYTES + 2 * BLOCK_M * 4;
+  static constexpr int DS_BYTES = BLOCK_N * BLOCK_M * 2;
+  static constexpr int SMEM_BYTES = 2 * KV_TILE_BYTES + STAGES * STAGE_BYTES + DS_BYTES;
+
+  static_assert(sizeof(T) == 2, "fp16 / bf16 only");
+  static_assert(HEAD_DIM % 32 == 0 && HEAD_DIM <= 256, "compiled head dim: a multiple of 32");
+  static_assert(BLOCK_M % 32 == 0, "BLOCK_M: a multiple of 32");
+  static_assert(Q_CHUNK % 16 == 0 && BLOCK_M % Q_CHUNK == 0, "whole k16 steps per chunk");
+  static_assert(NUM_WARPS % DQ_ROW_TILES == 0 && DQ_DIMS % 16 == 0,
+                "dQ: whole row tiles per warp group, column groups of k16 steps");
+  static_assert(FEATURES_ >= 0 && FEATURES_ < 8, "softcap, ALiBi, sinks");
+};
+
+// Copy rows [0, ROWS) of a [row][HEAD_DIM] tile of T (row r at src + r * row_stride) into a
+// swizzled shared tile by cp.async; rows >= valid_rows and columns >= head_dim zero-filled.
+// Where the block's threads cover whole rows, each copies one fixed column chunk of every
+// ROWS_PER_PASS-th row: one source pointer stepped by a stride (few registers live across the
+// key loop); otherwise chunk c of the tile goes to thread c % THREADS.
+template <typename Tr, int ROWS>
+__device__ __forceinline__ void load_tile(u32 dst, const typename Tr::T* src, long long row_stride,
+                                          int valid_rows, int head_dim_chunks, int tid) {
+  constexpr int D_CHUNKS = Tr::D_CHUNKS, THREADS = Tr::THREADS;
+  if constexpr (THREADS % D_CHUNKS == 0 && ROWS % (THREADS / D_CHUNKS) == 0) {
+    constexpr int ROWS_PER_PASS = THREADS / D_CHUNKS;
+    const int r0 = tid / D_CHUNKS, ch = tid % D_CHUNKS;
+    const bool ch_ok = ch < head_dim_chunks;
+    const typename Tr::T* s = src + r0 * row_stride + ch * 8;
+    const u32 d = dst + swizzled_offset<D_CHUNKS>(r0, ch);
+#pragma unroll
+    for (int it = 0; it < ROWS / ROWS_PER_PASS; ++it) {
+      const bool ok = ch_ok && r0 + it * ROWS_PER_PASS < valid_rows;
+      // (ROWS_PER_PASS % 8 == 0 or a whole tile: the swizzle of r0 + it * ROWS_PER_PASS is r0's)
+      const u32 row_off = ROWS_PER_PASS % 8 == 0
+                              ? it * ROWS_PER_PASS * D_CHUNKS * 16
+                              : swizzled_offset<D_CHUNKS>(r0 + it * ROWS_PER_PASS, ch) -
+                                    swizzled_offset<D_CHUNKS>(r0, ch);
+      cp_async_16(d + row_off, ok ? s + it * ROWS_PER_PASS * row_stride : src, ok ? 16 : 0);
+    }
+  } else {
+    constexpr int CHUNKS = ROWS * D_CHUNKS;
+#pragma unroll
+    for (int it = 0; it < (CHUNKS + THREADS - 1) / THREADS; ++it) {
+      const int c = it * THREADS + tid;
+      if (CHUNKS % THREADS == 0 || c < CHUNKS) {
+        const int r = c / D_CHUNKS, ch = c % D_CHUNKS;
+        const bool ok = r < valid_rows && ch < head_dim_chunks;
+        cp_async_16(dst + swizzled_offset<D_CHUNKS>(r, ch), ok ? src + r * row_stride + ch * 8 : src,
+                    ok ? 16 : 0);
+      }
+    }
+  }
+}
+
+// Add two floats at p (8-byte aligned) to global memory, without returning anything.
+__device__ __forceinline__ void red_add_f32x2(float* p, float a, float b) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" :: "l"(p), "f"(a), "f"(b) : "memory");
+#else
+  atomicAdd(p, a);
+  atomicAdd(p + 1, b);
+#endif
+}
+
+// S^T or dP^T of this warp's 16 keys against a chunk of a query tile: acc = A B^T over
+// HEAD_DIM, with A the warp's rows of a [key][dim] tile (ldmatrix, a_steps) and B the chunk's
+// rows of the [query][dim] tile (ldmatrix, b_steps). Accumulator rows are keys g, g + 8; columns queries 8 nt + 2 t4, +1.
+template <typename Tr>
+__device__ __forceinline__ void keys_by_queries(float (&acc)[Tr::C_N_TILES][4], u32 a_lane,
+                                                u32 b_lane,
+                                                const SwizzledSteps<Tr::D_CHUNKS, true>& a_steps,
+                                                const SwizzledSteps<Tr::D_CHUNKS, true>& b_steps) {
+  using T = typename Tr::T;
+#pragma unroll
+  for (int nt = 0; nt < Tr::C_N_TILES; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+#pragma unroll EXP_KS_UNROLL
+  for (int ks = 0; ks < Tr::K_STEPS; ++ks) {
+    u32 af[4];
+    ldmatrix_x4(af, a_lane + a_steps.at(ks));
+#pragma unroll
+    for (int np = 0; np < Tr::C_N_TILES / 2; ++np) {
+      u32 bf[4];
+      ldmatrix_x4(bf, b_lane + np * 16 * Tr::D_CHUNKS * 16 + b_steps.at(ks));
+      mma_m16n8k16<T>(acc[2 * np], af, bf[0], bf[1]);
+      mma_m16n8k16<T>(acc[2 * np + 1], af, bf[2], bf[3]);
+    }
+  }
+}
+
+// dV or dK of this warp's 16 keys: acc += A X, A (16 keys x a chunk's queries) packed in
+// registers (a[kk]: the k16 step kk), X the chunk's rows of the [query][dim] tile (ldmatrix
+// .trans, t_steps).
+template <typename Tr>
+__device__ __forceinline__ void keys_by_dims(float (&acc)[Tr::D_N_TILES][4],
+                                             const u32 (&a)[Tr::C_K_STEPS][4], u32 x_lane,
+                                             const SwizzledSteps<Tr::D_CHUNKS, true>& t_steps) {
+  using T = typename Tr::T;
+#pragma unroll
+  for (int kk = 0; kk < Tr::C_K_STEPS; ++kk) {
+#pragma unroll
+    for (int dp = 0; dp < Tr::D_N_TILES / 2; ++dp) {
+      u32 bf[4];
+      ldmatrix_x4_trans(bf, x_lane + kk * 16 * Tr::D_CHUNKS * 16 + t_steps.at(dp));
+      mma_m16n8k16<T>(acc[2 * dp], a[kk], bf[0], bf[1]);
+      mma_m16n8k16<T>(acc[2 * dp + 1], a[kk], bf[2], bf[3]);
+    }
+  }
+}
+
+// This warp's 16 key rows of dK or dV (times `scale`) into T rows of dst (key j at
+// dst + j * row_stride), keys < sk and dims < head_dim only.
+template <typename Tr>
+__device__ __forceinline__ void store_key_rows(const float (&acc)[Tr::D_N_TILES][4],
+                                               typename Tr::T* dst, long long row_stride,
+                                               int key0, int sk, int head_dim, float scale,
+                                               int g, int t4) {
+  using T = typename Tr::T;
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    const int j = key0 + g + 8 * hr;
+    if (j >= sk) continue;
+    T* row = dst + j * row_stride + 2 * t4;
+#pragma unroll
+    for (int nt = 0; nt < Tr::D_N_TILES; ++nt) {
+      if (nt * 8 < head_dim) {
+        *reinterpret_cast<u32*>(row + nt * 8) =
+            pack_pair<T>(acc[nt][2 * hr] * scale, acc[nt][2 * hr + 1] * scale);
+      }
+    }
+  }
+}
+
+// One block of the main kernel: its (batch entry, KV head), shared tiles and lane constants,
+// and the key tile it is on (start_tile). pass<WHAT>() walks the query tiles that see that
+// key tile, over every query head of the KV head, with Q, dO, lse2 and D in two stages.
+template <typename Tr>
+struct BwdBlock {
+  using T = typename Tr::T;
+  static constexpr int D_CHUNKS = Tr::D_CHUNKS, BLOCK_M = Tr::BLOCK_M, BLOCK_N = Tr::BLOCK_N;
+
+  const FlashBwdParams& p;
+  u32 s_k, s_v, s_stages, s_ds;   // shared: K tile, V tile, the stages, the dS^T tile
+  const float* stage_f32;         // the stages, as floats (lse2 and D rows)
+  int tid, warp, g, t4, kvh;
+  int sq, sk, head_dim_chunks;
+  typename Tr::Mask mask;
+  long long row_base;             // workspace token of this sequence's query row 0
+  float* dq_accum;                // this block's slice
+  const T* q_seq;                 // query row 0 of the sequence (head 0)
+  const T* do_seq;
+  const T* k_seq;                 // key 0 of the sequence, this KV head
+  const T* v_seq;
+  // ldmatrix lane patterns (flash_fwd.cuh's): A rows (a_row, chunk 2 s + lane / 16), also
+  // for .trans B; B rows (b_row, chunk 2 s + (lane / 8) % 2), also for .trans A of dS.
+  int a_row, b_row;
+  SwizzledSteps<D_CHUNKS, true> a_steps, b_steps;
+  // dQ: this warp's row tile and column group; the byte offset of its dS^T chunk in a row
+  // (2 dq_rt + (lane / 8) % 2), and K's .trans steps from a step index known only at run
+  // time (the compact form: no per-lane table to index)
+  int dq_rt, dq_grp;
+  u32 ds_lane;
+  SwizzledSteps<D_CHUNKS, true> k_steps_dq;
+  // The key tile: its first key, this warp's first key, the query tiles [m_lo, m_lo + n_m)
+  // that see any of its keys, [full_lo, full_hi) that see all (no mask), and the steps
+  // (query head of the group, query tile).
+  int n0, key0, m_lo, n_m, full_lo, full_hi, n_iter;
+
+  __device__ __forceinline__ BwdBlock(const FlashBwdParams& params, unsigned char* smem)
+      : p(params), mask(0, 0, 0, 0), a_steps(0, 0), b_steps(0, 0), k_steps_dq(0, 0) {
+    s_k = smem_addr(smem);
+    s_v = s_k + Tr::KV_TILE_BYTES;
+    s_stages = s_v + Tr::KV_TILE_BYTES;
+    s_ds = s_stages + Tr::STAGES * Tr::STAGE_BYTES;
+    stage_f32 = reinterpret_cast<const float*>(smem + 2 * Tr::KV_TILE_BYTES);
+    tid = threadIdx.x;
+    warp = tid / 32;
+    const int lane = tid % 32;
+    g = lane / 4;
+    t4 = lane % 4;
+    kvh = blockIdx.y;
+    const int b = blockIdx.z;
+    const SeqRange qr = seq_range(p.cu_seqlens_q, b, p.seqlen_q);
+    const SeqRange kr = seq_range(p.cu_seqlens_k, b, p.seqlen_k);
+    sq = qr.len;
+    sk = kr.len;
+    head_dim_chunks = p.head_dim / 8;
+    mask = typename Tr::Mask(sq, sk, p.window_left, p.window_right);
+    row_base = (p.cu_seqlens_q == nullptr ? (long long)b * p.seqlen_q : 0) + qr.start;
+    dq_accum = static_cast<float*>(p.dq_accum) +
+               (p.deterministic ? (long long)blockIdx.x * p.total_q * p.num_heads * p.head_dim : 0);
+    q_seq = static_cast<const T*>(p.q) + b * p.q_stride_batch + (long long)qr.start * p.q_stride_row;
+    do_seq = static_cast<const T*>(p.dout) + b * p.do_stride_batch +
+             (long long)qr.start * p.do_stride_row;
+    k_seq = static_cast<const T*>(p.k) + b * p.k_stride_batch +
+            (long long)kr.start * p.k_stride_row + kvh * p.k_stride_head;
+    v_seq = static_cast<const T*>(p.v) + b * p.v_stride_batch +
+            (long long)kr.start * p.v_stride_row + kvh * p.v_stride_head;
+    a_row = (lane % 8) + ((lane / 8) % 2) * 8;
+    b_row = (lane % 8) + (lane / 16) * 8;
+    a_steps = SwizzledSteps<D_CHUNKS, true>(a_row, lane / 16);
+    b_steps = SwizzledSteps<D_CHUNKS, true>(b_row, (lane / 8) % 2);
+    dq_rt = warp % Tr::DQ_ROW_TILES;
+    dq_grp = warp / Tr::DQ_ROW_TILES;
+    ds_lane = swizzled_offset<Tr::M_CHUNKS>(b_row, 2 * dq_rt + (lane / 8) % 2);
+    k_steps_dq = SwizzledSteps<D_CHUNKS, true>(a_row, lane / 16);
+  }
+
+  __device__ __forceinline__ void start_tile(int n) {
+    n0 = n * BLOCK_N;
+    key0 = n0 + warp * 16;
+    const auto rows = mask.rows(n0, min(n0 + BLOCK_N, sk) - 1, sq);
+    m_lo = rows.begin / BLOCK_M;
+    const int m_hi = rows.end > rows.begin ? (rows.end + BLOCK_M - 1) / BLOCK_M : m_lo;
+    const bool whole_tile = n0 + BLOCK_N <= sk;   // else its keys past sk need the mask
+    full_lo = whole_tile ? (rows.full_begin + BLOCK_M - 1) / BLOCK_M : 0;
+    full_hi = whole_tile ? rows.full_end / BLOCK_M : 0;
+    n_m = m_hi - m_lo;
+    n_iter = p.head_group * n_m;
+  }
+
+  __device__ __forceinline__ u32 s_q(int st) const { return s_stages + st * Tr::STAGE_BYTES; }
+  __device__ __forceinline__ u32 s_do(int st) const { return s_q(st) + Tr::QO_TILE_BYTES; }
+  __device__ __forceinline__ u32 s_rows(int st) const { return s_do(st) + Tr::QO_TILE_BYTES; }
+  __device__ __forceinline__ const float* rows_of(int st) const {   // lse2, then D
+    return stage_f32 + (st * Tr::STAGE_BYTES + 2 * Tr::QO_TILE_BYTES) / 4;
+  }
+  __device__ __forceinline__ int head_of(int it) const { return kvh * p.head_group + it / n_m; }
+  __device__ __forceinline__ int m0_of(int it) const { return (m_lo + it % n_m) * BLOCK_M; }
+
+  __device__ __forceinline__ void load_kv() const {
+    load_tile<Tr, BLOCK_N>(s_k, k_seq + (long long)n0 * p.k_stride_row, p.k_stride_row, sk - n0,
+                           head_dim_chunks, tid);
+    load_tile<Tr, BLOCK_N>(s_v, v_seq + (long long)n0 * p.v_stride_row, p.v_stride_row, sk - n0,
+                           head_dim_chunks, tid);
+  }
+
+  // Step it's Q, dO, lse2 and D rows into stage it % STAGES (rows past sq zero-filled).
+  __device__ __forceinline__ void load_stage(int it) const {
+    const int h = head_of(it), m0 = m0_of(it), st = it % Tr::STAGES;
+    load_tile<Tr, BLOCK_M>(s_q(st), q_seq + (long long)m0 * p.q_stride_row + h * p.q_stride_head,
+                           p.q_stride_row, sq - m0, head_dim_chunks, tid);
+    load_tile<Tr, BLOCK_M>(s_do(st), do_seq + (long long)m0 * p.do_stride_row + h * p.do_stride_head,
+                           p.do_stride_row, sq - m0, head_dim_chunks, tid);
+    const long long row0 = h * (long long)p.total_q + row_base + m0;
+    const float* lse2 = static_cast<const float*>(p.lse2);
+    const float* dsum = static_cast<const float*>(p.dsum);
+    for (int c = tid; c < 2 * BLOCK_M; c += Tr::THREADS) {
+      const int r = c % BLOCK_M;
+      const bool ok = m0 + r < sq;
+      cp_async_4(s_rows(st) + c * 4, ok ? (c < BLOCK_M ? lse2 : dsum) + row0 + r : lse2, ok ? 4 : 0);
+    }
+  }
+
+  // One walk over the key tile's query tiles: dV += P^T dO into acc_v (kBwdDv), dK += dS^T Q
+  // into acc_k (kBwdDk), dQ += dS K into the workspace (kBwdDq).
+  template <int WHAT>
+  __device__ __forceinline__ void pass(float (&acc_v)[Tr::D_N_TILES][4],
+                                       float (&acc_k)[Tr::D_N_TILES][4]) const {
+#ifndef EXP_MASK
+#define EXP_MASK 7
+#endif
+    constexpr bool DV = WHAT & kBwdDv & EXP_MASK, DK = WHAT & kBwdDk & EXP_MASK, DQ = WHAT & kBwdDq & EXP_MASK, DS = DK || DQ;
+#pragma unroll
+    for (int nt = 0; nt < Tr::D_N_TILES; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        if (DV) acc_v[nt][e] = 0.f;
+        if (DK) acc_k[nt][e] = 0.f;
+      }
+    }
+    __syncthreads();   // every warp is done with the shared tiles of the last pass or tile
+    if (DV || Tr::PASSES == 1) load_kv();   // (a second pass keeps them)
+    if (n_iter > 0) load_stage(0);
+    cp_async_commit();
+
+    for (int it = 0; it < n_iter; ++it) {
+      const int h = head_of(it), m0 = m0_of(it), st = it % Tr::STAGES;
+      const bool masked = !(m0 / BLOCK_M >= full_lo && m0 / BLOCK_M < full_hi);
+      cp_async_wait<0>();
+      __syncthreads();   // step it's stage has landed everywhere; the other one is free
+      if (it + 1 < n_iter) load_stage(it + 1);
+      cp_async_commit();
+
+      const u32 q_tile = s_q(st), do_tile = s_do(st);
+#pragma unroll
+      for (int c = 0; c < BLOCK_M / Tr::Q_CHUNK; ++c) {   // column chunks of the query tile
+        const u32 q_rows = q_tile + c * Tr::Q_CHUNK * D_CHUNKS * 16;
+        const u32 do_rows = do_tile + c * Tr::Q_CHUNK * D_CHUNKS * 16;
+        // dP^T = V dO^T (for dS), then S^T = K Q^T
+        float dp[Tr::C_N_TILES][4];
+        if constexpr (DS) {
+          keys_by_queries<Tr>(dp, s_v + (warp * 16 + a_row) * D_CHUNKS * 16,
+                              do_rows + b_row * D_CHUNKS * 16, a_steps, b_steps);
+        }
+        float s[Tr::C_N_TILES][4];
+        keys_by_queries<Tr>(s, s_k + (warp * 16 + a_row) * D_CHUNKS * 16,
+                            q_rows + b_row * D_CHUNKS * 16, a_steps, b_steps);
+        // P = exp2(scale hook(S) - lse2), 0 where masked; dS = P (dP - D) hook'
+        scores_to_p_ds<DS>(s, dp, rows_of(st) + c * Tr::Q_CHUNK, h, m0 + c * Tr::Q_CHUNK,
+                           masked);
+        if constexpr (DV) {
+          u32 pa[Tr::C_K_STEPS][4];
+          pack_rows(pa, s);
+          keys_by_dims<Tr>(acc_v, pa, do_rows + a_row * D_CHUNKS * 16, a_steps);
+        }
+        if constexpr (DS) {
+          u32 dsa[Tr::C_K_STEPS][4];
+          pack_rows(dsa, dp);
+          if constexpr (DK) keys_by_dims<Tr>(acc_k, dsa, q_rows + a_row * D_CHUNKS * 16, a_steps);
+          if constexpr (DQ) store_ds(dsa, c);
+        }
+      }
+      if constexpr (DQ) {
+        __syncthreads();   // the whole dS^T tile
+        add_dq(h, m0);
+      }
+    }
+    cp_async_wait<0>();
+  }
+
+  // P (in s) and, with DS, dS (in dp) of this warp's keys x a chunk's queries (its first
+  // query m0, its lse2 and D rows at lse2_d and lse2_d + BLOCK_M).
+  template <bool DS>
+  __device__ __forceinline__ void scores_to_p_ds(float (&s)[Tr::C_N_TILES][4],
+                                                 float (&dp)[Tr::C_N_TILES][4],
+                                                 const float* lse2_d, int h, int m0,
+                                                 bool masked) const {
+    float slope = 0.f;
+    if constexpr (Tr::ALIBI) {
+      slope = static_cast<const float*>(p.alibi_slopes)[h] * p.softmax_scale_inv;
+    }
+    const typename Tr::Logits hook(slope, p.softcap_in, p.softcap_out);
+#pragma unroll
+    for (int nt = 0; nt < Tr::C_N_TILES; ++nt) {
+      const int i_loc = nt * 8 + 2 * t4;
+      const float2 l2 = *reinterpret_cast<const float2*>(lse2_d + i_loc);
+      float2 dd = make_float2(0.f, 0.f);
+      if constexpr (DS) dd = *reinterpret_cast<const float2*>(lse2_d + BLOCK_M + i_loc);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = m0 + i_loc + (e & 1);
+        const int j = key0 + g + 8 * (e >> 1);
+        float x = s[nt][e], dx = 1.f;
+        if constexpr (Tr::Logits::ACTIVE) x = hook(x, i + mask.diag, j, dx);
+        if (masked && !(i < sq && mask.visible(i, j, sk))) x = neg_inf();
+        const float pe = exp2f(fmaf(x, p.scale_log2, -((e & 1) ? l2.y : l2.x)));
+        s[nt][e] = pe;
+        if constexpr (DS) dp[nt][e] = pe * (dp[nt][e] - ((e & 1) ? dd.y : dd.x)) * dx;
+      }
+    }
+  }
+
+  // A (16 keys x Q_CHUNK queries) accumulators packed to T as the A operands of k16 steps
+  // (flash_fwd.cuh's pack_p layout).
+  static __device__ __forceinline__ void pack_rows(u32 (&a)[Tr::C_K_STEPS][4],
+                                                   const float (&x)[Tr::C_N_TILES][4]) {
+#pragma unroll
+    for (int kk = 0; kk < Tr::C_K_STEPS; ++kk) {
+      a[kk][0] = pack_pair<T>(x[2 * kk][0], x[2 * kk][1]);
+      a[kk][1] = pack_pair<T>(x[2 * kk][2], x[2 * kk][3]);
+      a[kk][2] = pack_pair<T>(x[2 * kk + 1][0], x[2 * kk + 1][1]);
+      a[kk][3] = pack_pair<T>(x[2 * kk + 1][2], x[2 * kk + 1][3]);
+    }
+  }
+
+  // This warp's dS^T rows of column chunk c into the [key][query] tile: a[kk][r] holds (key
+  // g + 8 (r % 2), chunk queries 16 kk + 8 (r / 2) + 2 t4, +1).
+  __device__ __forceinline__ void store_ds(const u32 (&a)[Tr::C_K_STEPS][4], int c) const {
+#pragma unroll
+    for (int kk = 0; kk < Tr::C_K_STEPS; ++kk) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int row = warp * 16 + g + 8 * (r % 2);
+        const u32 addr = s_ds + swizzled_offset<Tr::M_CHUNKS>(row, c * Tr::C_N_TILES + 2 * kk + r / 2) +
+                         t4 * 4;
+        asm volatile("st.shared.u32 [%0], %1;\n" :: "r"(addr), "r"(a[kk][r]));
+      }
+    }
+  }
+
+  // dQ of this warp's row tile and column group, dS K over the key tile (A = dS by .trans of
+  // the [key][query] tile, B = K by .trans), added into the workspace rows of head h.
+  __device__ __forceinline__ void add_dq(int h, int m0) const {
+    float acc[Tr::DQ_N_TILES][4];
+#pragma unroll
+    for (int nt = 0; nt < Tr::DQ_N_TILES; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+#pragma unroll EXP_DQ_UNROLL
+    for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
+      u32 af[4];
+      ldmatrix_x4_trans(af, s_ds + kk * 16 * Tr::M_CHUNKS * 16 + ds_lane);
+#pragma unroll
+      for (int dp = 0; dp < Tr::DQ_N_TILES / 2; ++dp) {
+        u32 bf[4];
+        ldmatrix_x4_trans(bf, s_k + (kk * 16 + a_row) * D_CHUNKS * 16 +
+                                  k_steps_dq.at(dq_grp * Tr::DQ_N_TILES / 2 + dp));
+        mma_m16n8k16<T>(acc[2 * dp], af, bf[0], bf[1]);
+        mma_m16n8k16<T>(acc[2 * dp + 1], af, bf[2], bf[3]);
+      }
+    }
+    const int r0 = m0 + dq_rt * 16;
+    float* rows = dq_accum + ((row_base + r0) * p.num_heads + h) * (long long)p.head_dim +
+                  dq_grp * Tr::DQ_DIMS + 2 * t4;
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int r = g + 8 * hr;
+      if (r0 + r >= sq) continue;
+      float* row = rows + (long long)r * p.num_heads * p.head_dim;
+#pragma unroll
+      for (int nt = 0; nt < Tr::DQ_N_TILES; ++nt) {
+        if (dq_grp * Tr::DQ_DIMS + nt * 8 < p.head_dim) {
+          red_add_f32x2(row + nt * 8, acc[nt][2 * hr], acc[nt][2 * hr + 1]);
+        }
+      }
+    }
+  }
+};
+
+// Grid: (ceil(max_seqlen_k / BLOCK_N), num_heads_kv, batch), or deterministically (dq_slices,
+// num_heads_kv, batch); block: (NUM_WARPS * 32), dynamic shared memory: Tr::SMEM_BYTES.
+// Block (x, y, z) takes key tiles x, x + gridDim.x, ... of KV head y, batch z: for each, its
+// K and V tile stay in shared memory while the query tiles of every query head of KV head y
+// that see it stream through two stages (Q, dO, lse2, D). Per query tile, each warp: dP^T =
+// V dO^T and S^T = K Q^T for its 16 keys, P = exp2(scale S - lse2) (hook and mask), dS = P
+// (dP - D) hook'; dV += P^T dO and dK += dS^T Q in registers; dS^T to shared memory; then all
+// warps dQ = dS K, added into dq_accum. The key rows of dK (times the softmax scale) and dV are
+// written once per tile (zeros where no query sees a key).
+template <typename Tr>
+__device__ void flash_bwd_kernel(const FlashBwdParams& p) {
+  using T = typename Tr::T;
+  extern __shared__ __align__(128) unsigned char smem[];
+  BwdBlock<Tr> blk(p, smem);
+  const int b = blockIdx.z;
+  T* dk_seq = static_cast<T*>(p.dk) + b * p.dk_stride_batch + blk.kvh * p.dk_stride_head +
+              (p.cu_seqlens_k == nullptr ? 0 : (long long)static_cast<const int*>(p.cu_seqlens_k)[b] * p.dk_stride_row);
+  T* dv_seq = static_cast<T*>(p.dv) + b * p.dv_stride_batch + blk.kvh * p.dv_stride_head +
+              (p.cu_seqlens_k == nullptr ? 0 : (long long)static_cast<const int*>(p.cu_seqlens_k)[b] * p.dv_stride_row);
+  for (int n = blockIdx.x; n * Tr::BLOCK_N < blk.sk; n += gridDim.x) {
+    blk.start_tile(n);
+    if constexpr (Tr::PASSES == 1) {
+      float acc_v[Tr::D_N_TILES][4], acc_k[Tr::D_N_TILES][4];
+      blk.template pass<kBwdAll>(acc_v, acc_k);
+      store_key_rows<Tr>(acc_v, dv_seq, p.dv_stride_row, blk.key0, blk.sk, p.head_dim, 1.f,
+                         blk.g, blk.t4);
+      store_key_rows<Tr>(acc_k, dk_seq, p.dk_stride_row, blk.key0, blk.sk, p.head_dim,
+                         p.softmax_scale, blk.g, blk.t4);
+    } else {
+      float acc[Tr::D_N_TILES][4];
+      blk.template pass<kBwdDv>(acc, acc);
+      store_key_rows<Tr>(acc, dv_seq, p.dv_stride_row, blk.key0, blk.sk, p.head_dim, 1.f, blk.g,
+                         blk.t4);
+      blk.template pass<kBwdDk | kBwdDq>(acc, acc);
+      store_key_rows<Tr>(acc, dk_seq, p.dk_stride_row, blk.key0, blk.sk, p.head_dim,
+                         p.softmax_scale, blk.g, blk.t4);
+    }
+  }
+}
+
+
+// The row kernels' knobs: one warp per (token, head) row, THREADS per block.
+template <typename T_, int HEAD_DIM_, int THREADS_>
+struct FlashBwdRowsTraits {
+  using T = T_;
+  static constexpr int HEAD_DIM = HEAD_DIM_;
+  static constexpr int THREADS = THREADS_;
+  static constexpr int ROWS_PER_BLOCK = THREADS / 32;
+  static_assert(THREADS % 32 == 0, "whole warps");
+};
+
+// The (token, head) row of this warp, and its batch entry b and row i there (fixed length:
+// token = b * seqlen_q + i; varlen: b = 0, i = token, as the strides have no batch term).
+struct BwdRow {
+  long long tok;
+  int h;
+  long long b, i;
+};
+template <typename Tr>
+__device__ __forceinline__ bool bwd_row(const FlashBwdParams& p, BwdRow& r) {
+  const long long row = (long long)blockIdx.x * Tr::ROWS_PER_BLOCK + threadIdx.x / 32;
+  if (row >= (long long)p.total_q * p.num_heads) return false;
+  r.tok = row / p.num_heads;
+  r.h = static_cast<int>(row % p.num_heads);
+  r.b = r.tok / p.seqlen_q;
+  r.i = r.tok - r.b * p.seqlen_q;
+  return true;
+}
+
+// Grid: (ceil(total_q * num_heads / ROWS_PER_BLOCK)), block: (THREADS).
+// Per (token, head) row: D = rowsum(dO * O) in fp32, lse2 = lse * log2(e) (+inf for -inf: a
+// row that saw no key has P = 0 everywhere), and its dq_accum rows zeroed in every slice.
+template <typename Tr>
+__device__ void flash_bwd_prep_kernel(const FlashBwdParams& p) {
+  using T = typename Tr::T;
+  BwdRow r;
+  if (!bwd_row<Tr>(p, r)) return;
+  const int lane = threadIdx.x % 32;
+  const T* o = static_cast<const T*>(p.out) + r.b * p.o_stride_batch + r.i * p.o_stride_row +
+               r.h * p.o_stride_head;
+  const T* d = static_cast<const T*>(p.dout) + r.b * p.do_stride_batch + r.i * p.do_stride_row +
+               r.h * p.do_stride_head;
+  float acc = 0.f;
+#pragma unroll
+  for (int c = lane * 8; c < Tr::HEAD_DIM; c += 256) {
+    if (c < p.head_dim) {
+      float fo[8], fd[8];
+      unpack16<T>(load16(o + c), fo);
+      unpack16<T>(load16(d + c), fd);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc = fmaf(fo[e], fd[e], acc);
+    }
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+  const long long w = (long long)r.h * p.total_q + r.tok;
+  if (lane == 0) {
+    static_cast<float*>(p.dsum)[w] = acc;
+    const float l = static_cast<const float*>(p.lse)[r.b * p.lse_stride_batch +
+                                                     r.h * p.lse_stride_head +
+                                                     r.i * p.lse_stride_row];
+    static_cast<float*>(p.lse2)[w] = l == neg_inf() ? -neg_inf() : l * kLog2e;
+  }
+  float* acc_row = static_cast<float*>(p.dq_accum) + (r.tok * p.num_heads + r.h) * p.head_dim;
+  const long long slice = (long long)p.total_q * p.num_heads * p.head_dim;
+  for (int s = 0; s < p.dq_slices; ++s) {
+    for (int c = lane * 4; c < p.head_dim; c += 128) {
+      *reinterpret_cast<float4*>(acc_row + s * slice + c) = make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+  }
+}
+
+// Grid: (ceil(total_q * num_heads / ROWS_PER_BLOCK)), block: (THREADS).
+// Per (token, head) row: dQ = softmax_scale * the sum of its dq_accum slices (in order), in T.
+template <typename Tr>
+__device__ void flash_bwd_dq_kernel(const FlashBwdParams& p) {
+  using T = typename Tr::T;
+  BwdRow r;
+  if (!bwd_row<Tr>(p, r)) return;
+  const int lane = threadIdx.x % 32;
+  const float* acc_row = static_cast<const float*>(p.dq_accum) +
+                         (r.tok * p.num_heads + r.h) * p.head_dim;
+  const long long slice = (long long)p.total_q * p.num_heads * p.head_dim;
+  T* dq = static_cast<T*>(p.dq) + r.b * p.dq_stride_batch + r.i * p.dq_stride_row +
+          r.h * p.dq_stride_head;
+#pragma unroll
+  for (int c = lane * 4; c < Tr::HEAD_DIM; c += 128) {
+    if (c < p.head_dim) {
+      float4 sum = *reinterpret_cast<const float4*>(acc_row + c);
+      for (int s = 1; s < p.dq_slices; ++s) {
+        const float4 x = *reinterpret_cast<const float4*>(acc_row + s * slice + c);
+        sum.x += x.x; sum.y += x.y; sum.z += x.z; sum.w += x.w;
+      }
+      const float sc = p.softmax_scale;
+      uint2 packed;
+      packed.x = pack_pair<T>(sum.x * sc, sum.y * sc);
+      packed.y = pack_pair<T>(sum.z * sc, sum.w * sc);
+      *reinterpret_cast<uint2*>(dq + c) = packed;
+    }
+  }
+}
+
+// Grid: (num_heads), block: (THREADS).
+// dsinks[h] = -sum_i exp(sink_h - lse_i) D_i over the rows of every sequence (a sink is a
+// logit in the denominator whose value is 0, so its dP is 0 and dS = P_sink (0 - D)); the
+// sum runs in a fixed order (strided per thread, then a fixed tree), so it is deterministic.
+template <typename Tr>
+__device__ void flash_bwd_dsinks_kernel(const FlashBwdParams& p) {
+  __shared__ float warp_sums[Tr::THREADS / 32];
+  const int h = blockIdx.x, tid = threadIdx.x;
+  const int* cu = static_cast<const int*>(p.cu_seqlens_q);
+  const int lo = cu == nullptr ? 0 : cu[0];
+  const int hi = cu == nullptr ? p.total_q : cu[p.batch];
+  const float sink2 = static_cast<const float*>(p.sinks)[h] * kLog2e;
+  const float* lse2 = static_cast<const float*>(p.lse2) + (long long)h * p.total_q;
+  const float* dsum = static_cast<const float*>(p.dsum) + (long long)h * p.total_q;
+  float acc = 0.f;
+  for (int t = lo + tid; t < hi; t += Tr::THREADS) acc -= exp2f(sink2 - lse2[t]) * dsum[t];
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+  if (tid % 32 == 0) warp_sums[tid / 32] = acc;
+  __syncthreads();
+  if (tid == 0) {
+    float total = 0.f;
+    for (int w = 0; w < Tr::THREADS / 32; ++w) total += warp_sums[w];
+    static_cast<float*>(p.dsinks)[h] = total;
+  }
+}
+
+}  // namespace cuattn
