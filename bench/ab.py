@@ -1,7 +1,7 @@
 """A/B of two cuattn trees in one process: is any configuration slower in the new tree?
 
     scripts/ab_prepare.sh OLD_COMMIT DIR        # DIR/cuattn_old/ + DIR/cuda_src/
-    PYTHONPATH=. python bench/ab.py --old DIR [--suites flash decode merge verify] [--quick]
+    PYTHONPATH=. python bench/ab.py --old DIR [--suites flash decode merge verify bwd] [--quick]
         [--settle S] [--json F]
 
 "new" is the ``cuattn`` of this checkout (the tree holding this file), "old" is
@@ -32,7 +32,9 @@ CONFIGS, v1 / v2 / auto), fp8 decode (the CUDA-core form), the merge suite's, an
 merge_states with 4 states; "verify" (not run by default): paged_prefill with 2 / 4 / 8
 new tokens per sequence, the prefill suite's verify rows; "hooks" (not run by default):
 softcap beside the same calls without it (hook_cases); "windows" (not run by default):
-flash_forward with sliding windows beside the causal call (window_cases).
+flash_forward with sliding windows beside the causal call (window_cases); "bwd" (not run
+by default): flash_backward on the backward suite's grid (bwd_cases; a tree without it is
+timed on one side only).
 """
 from __future__ import annotations
 
@@ -54,7 +56,7 @@ sys.path.insert(0, str(ROOT))
 import cupy  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench import suite_decode, suite_flash, suite_merge, suite_prefill  # noqa: E402
+from bench import suite_bwd, suite_decode, suite_flash, suite_merge, suite_prefill  # noqa: E402
 from bench.harness import CupyGraph, L2Flush, format_table, randn, with_path_first  # noqa: E402
 
 SLOWER = 1.02                 # new/old above this is flagged
@@ -64,6 +66,8 @@ SPLIT_SHAPES = [  # (batch, seqlen_q, seqlen_k, heads), hd 128, causal: tuning.p
     (1, 1, 16384, 32), (4, 1, 16384, 32), (1, 64, 16384, 16)]
 MERGE_STATES = (4, 16384, 32, 128)                # states, tokens, heads, head size
 PRECOMPILE_TIMEOUT_S = 240
+AB_SUITES = ("flash", "decode", "merge", "verify", "hooks", "windows", "bwd")
+DEFAULT_SUITES = ("flash", "decode", "merge")
 
 
 @dataclass
@@ -261,6 +265,23 @@ def window_cases(quick: bool) -> Iterator[Case]:
         yield Case("windows", f"{suite_flash.label(d, s, causal)} window {window}", make)
 
 
+def bwd_cases(quick: bool) -> Iterator[Case]:
+    """flash_backward on the backward suite's rows (suite_bwd.configs: the standard grid and
+    the GQA rows), default path, into preallocated gradients; each tree's backward reads its
+    own forward's out and lse, computed once when the case is made."""
+    shape = None
+    for c in suite_bwd.configs(quick):
+        if c.shape != shape:      # configs() lists the rows of one shape together
+            shape, (q, k, v, dout) = c.shape, suite_bwd.inputs(c)
+
+        def make(ca, c=c, q=q, k=k, v=v, dout=dout):
+            out, lse = ca.flash_forward(q, k, v, causal=c.causal, return_lse=True)
+            dq, dk, dv = (cupy.empty_like(x) for x in (q, k, v))
+            return (lambda: ca.flash_backward(dout, q, k, v, out, lse, causal=c.causal, dq=dq,
+                                              dk=dk, dv=dv)), dq
+        yield Case("bwd", c.label, make, calls=3)
+
+
 def cases(suites: list[str], quick: bool, new) -> Iterator[Case]:
     if "flash" in suites:
         yield from flash_cases(quick)
@@ -277,6 +298,8 @@ def cases(suites: list[str], quick: bool, new) -> Iterator[Case]:
         yield from hook_cases(quick)
     if "windows" in suites:
         yield from window_cases(quick)
+    if "bwd" in suites:
+        yield from bwd_cases(quick)
 
 
 def _max_diff(a, b) -> float | None:
@@ -400,8 +423,8 @@ def main(argv=None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--old", required=True, type=Path,
                         help="directory holding cuattn_old/ and cuda_src/ (scripts/ab_prepare.sh)")
-    parser.add_argument("--suites", nargs="+", default=["flash", "decode", "merge"],
-                        choices=["flash", "decode", "merge", "verify", "hooks", "windows"])
+    parser.add_argument("--suites", nargs="+", default=list(DEFAULT_SUITES),
+                        choices=AB_SUITES)
     parser.add_argument("--quick", action="store_true", help="a few configurations per suite")
     parser.add_argument("--rounds", type=int, default=ROUNDS,
                         help=f"interleaved rounds per configuration (default {ROUNDS})")

@@ -154,6 +154,31 @@ def eager_ms(fn, *, calls: int = 20, n_warmup: int = 1, n_repeat: int = 5,
                            per=calls, settle_s=settle_s)
 
 
+def wall_ms(fn, sync, *, calls: int = 10, n_warmup: int = 1, n_repeat: int = 3,
+            settle_s: float = 0.0) -> float:
+    """Wall clock: ``calls`` calls of ``fn`` back to back, then one ``sync(last result)``,
+    timed with ``time.perf_counter``; the median over reps of time / calls, in ms.
+
+    The method for libraries without a graph or event API that cuattn can share (JAX: ``fn``
+    a jitted call, ``sync`` ``jax.block_until_ready``; cuattn beside it: ``sync`` a device
+    synchronize). It counts the host's dispatch of the first call and the sync's wake-up, so
+    it is only valid where one call's kernels take milliseconds. ``fn`` runs once first
+    (compile), then back to back for ``settle_s`` seconds, untimed (event_median_ms)."""
+    sync(fn())
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < settle_s:
+        sync(fn())
+    times = []
+    for i in range(n_warmup + n_repeat):
+        t0 = time.perf_counter()
+        for _ in range(calls - 1):
+            fn()
+        sync(fn())
+        if i >= n_warmup:
+            times.append((time.perf_counter() - t0) * 1e3 / calls)
+    return float(statistics.median(times))
+
+
 def kernel_launches(fn) -> int | None:
     """How many kernels one call of ``fn`` launches: the kernel nodes of a CUDA graph of one
     call (read through cuda.bindings' driver API), or None where that cannot be read.

@@ -1,12 +1,12 @@
-"""cuattn benchmarks: ``python bench/run.py [--suite merge flash decode host cold] [--json F]
-[--plot F.png]``.
+"""cuattn benchmarks: ``python bench/run.py [--suite merge flash bwd decode prefill host cold]
+[--quick] [--json F] [--plot F.png]``.
 
-Prints one Markdown table per suite, each kernel beside its peers measured in the same
-run and against the device's own ceilings (copy and read bandwidth, bf16 matmul rate),
-also measured in this run; "host" is the host cost per call beside a bare kernel launch,
-"cold" the import and first-call times of fresh processes. Without a GPU it says so and
-precompiles the shipped kernels for ``--arch`` (default sm_90) instead, which is all such a
-machine can do.
+Prints one Markdown table per suite (bwd, the backward: one per timing method), each kernel
+beside its peers measured in the same run and against the device's own ceilings (copy and
+read bandwidth, bf16 matmul rate), also measured in this run; "host" is the host cost per
+call beside a bare kernel launch, "cold" the import and first-call times of fresh processes.
+Without a GPU it says so and precompiles the shipped kernels for ``--arch`` (default sm_90)
+instead, which is all such a machine can do.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-SUITES = {"merge": "bench.suite_merge", "flash": "bench.suite_flash",
+SUITES = {"merge": "bench.suite_merge", "flash": "bench.suite_flash", "bwd": "bench.suite_bwd",
           "decode": "bench.suite_decode", "prefill": "bench.suite_prefill",
           "host": "bench.suite_host", "cold": "bench.cold_start"}
 
@@ -97,9 +97,13 @@ def main(argv=None) -> int:
     print(format_table([ceilings.row()], "ceilings (measured now)"), flush=True)
     results = {"ceilings": ceilings.row(), "suites": {}}
     for suite in suites:
-        rows = importlib.import_module(SUITES[suite]).run(ceilings, args.quick)
+        module = importlib.import_module(SUITES[suite])
+        rows = module.run(ceilings, args.quick)
         results["suites"][suite] = rows
-        print(format_table(rows, suite), flush=True)
+        # a suite may split its rows into several tables (suite_bwd: one per timing method)
+        split = getattr(module, "tables", lambda rows: [("", rows)])
+        for title, table in split(rows):
+            print(format_table(table, f"{suite}: {title}" if title else suite), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     if args.plot:
