@@ -27,9 +27,9 @@ class FlashBwdTiles:
 # sm_86 / sm_89 99 KB per block).
 _BWD_BIG_SMEM = {          # sm_90 (and sm_80 but hd256)
     32: FlashBwdTiles(64, 8, 64),
-    64: FlashBwdTiles(64, 8, 32),
-    96: FlashBwdTiles(64, 8, 16),
-    128: FlashBwdTiles(64, 8, 16),
+    64: FlashBwdTiles(128, 8, 32),
+    96: FlashBwdTiles(64, 8, 32),
+    128: FlashBwdTiles(64, 8, 32),
     160: FlashBwdTiles(32, 4, 32),
     192: FlashBwdTiles(32, 8, 32),
     256: FlashBwdTiles(32, 8, 16),

@@ -12,12 +12,6 @@
 #include "flash_fwd.cuh"
 #include "params/flash_bwd.cuh"
 
-#ifndef EXP_KS_UNROLL
-#define EXP_KS_UNROLL 1
-#endif
-#ifndef EXP_DQ_UNROLL
-#define EXP_DQ_UNROLL 1
-#endif
 namespace cuattn {
 
 // What one pass over the query tiles computes (FlashBwdTraits PASSES).
@@ -124,27 +118,43 @@ __device__ __forceinline__ void red_add_f32x2(float* p, float a, float b) {
 #endif
 }
 
-// S^T or dP^T of this warp's 16 keys against a chunk of a query tile: acc = A B^T over
-// HEAD_DIM, with A the warp's rows of a [key][dim] tile (ldmatrix, a_steps) and B the chunk's
-// rows of the [query][dim] tile (ldmatrix, b_steps). Accumulator rows are keys g, g + 8; columns queries 8 nt + 2 t4, +1.
-template <typename Tr>
-__device__ __forceinline__ void keys_by_queries(float (&acc)[Tr::C_N_TILES][4], u32 a_lane,
-                                                u32 b_lane,
+// S^T (and with DP, dP^T) of this warp's 16 keys against a chunk of a query tile, in one
+// loop over HEAD_DIM (two independent MMA chains): s = K Q^T and dp = V dO^T, with A the
+// warp's rows of the [key][dim] K and V tiles (ldmatrix, a_steps) and B the chunk's rows of the
+// [query][dim] Q and dO tiles (ldmatrix, b_steps). Accumulator rows are keys g, g + 8; columns
+// queries 8 nt + 2 t4, +1.
+template <typename Tr, bool DP>
+__device__ __forceinline__ void keys_by_queries(float (&s)[Tr::C_N_TILES][4],
+                                                float (&dp)[Tr::C_N_TILES][4], u32 k_lane,
+                                                u32 v_lane, u32 q_lane, u32 do_lane,
                                                 const SwizzledSteps<Tr::D_CHUNKS, true>& a_steps,
                                                 const SwizzledSteps<Tr::D_CHUNKS, true>& b_steps) {
   using T = typename Tr::T;
 #pragma unroll
-  for (int nt = 0; nt < Tr::C_N_TILES; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
-#pragma unroll EXP_KS_UNROLL
+  for (int nt = 0; nt < Tr::C_N_TILES; ++nt) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      s[nt][e] = 0.f;
+      if (DP) dp[nt][e] = 0.f;
+    }
+  }
+#pragma unroll
   for (int ks = 0; ks < Tr::K_STEPS; ++ks) {
-    u32 af[4];
-    ldmatrix_x4(af, a_lane + a_steps.at(ks));
+    u32 ak[4], av[4];
+    ldmatrix_x4(ak, k_lane + a_steps.at(ks));
+    if (DP) ldmatrix_x4(av, v_lane + a_steps.at(ks));
 #pragma unroll
     for (int np = 0; np < Tr::C_N_TILES / 2; ++np) {
-      u32 bf[4];
-      ldmatrix_x4(bf, b_lane + np * 16 * Tr::D_CHUNKS * 16 + b_steps.at(ks));
-      mma_m16n8k16<T>(acc[2 * np], af, bf[0], bf[1]);
-      mma_m16n8k16<T>(acc[2 * np + 1], af, bf[2], bf[3]);
+      const u32 b_off = np * 16 * Tr::D_CHUNKS * 16 + b_steps.at(ks);
+      u32 bq[4], bo[4];
+      ldmatrix_x4(bq, q_lane + b_off);
+      if (DP) ldmatrix_x4(bo, do_lane + b_off);
+      mma_m16n8k16<T>(s[2 * np], ak, bq[0], bq[1]);
+      mma_m16n8k16<T>(s[2 * np + 1], ak, bq[2], bq[3]);
+      if (DP) {
+        mma_m16n8k16<T>(dp[2 * np], av, bo[0], bo[1]);
+        mma_m16n8k16<T>(dp[2 * np + 1], av, bo[2], bo[3]);
+      }
     }
   }
 }
@@ -318,10 +328,7 @@ struct BwdBlock {
   template <int WHAT>
   __device__ __forceinline__ void pass(float (&acc_v)[Tr::D_N_TILES][4],
                                        float (&acc_k)[Tr::D_N_TILES][4]) const {
-#ifndef EXP_MASK
-#define EXP_MASK 7
-#endif
-    constexpr bool DV = WHAT & kBwdDv & EXP_MASK, DK = WHAT & kBwdDk & EXP_MASK, DQ = WHAT & kBwdDq & EXP_MASK, DS = DK || DQ;
+    constexpr bool DV = WHAT & kBwdDv, DK = WHAT & kBwdDk, DQ = WHAT & kBwdDq, DS = DK || DQ;
 #pragma unroll
     for (int nt = 0; nt < Tr::D_N_TILES; ++nt) {
 #pragma unroll
@@ -348,15 +355,12 @@ struct BwdBlock {
       for (int c = 0; c < BLOCK_M / Tr::Q_CHUNK; ++c) {   // column chunks of the query tile
         const u32 q_rows = q_tile + c * Tr::Q_CHUNK * D_CHUNKS * 16;
         const u32 do_rows = do_tile + c * Tr::Q_CHUNK * D_CHUNKS * 16;
-        // dP^T = V dO^T (for dS), then S^T = K Q^T
-        float dp[Tr::C_N_TILES][4];
-        if constexpr (DS) {
-          keys_by_queries<Tr>(dp, s_v + (warp * 16 + a_row) * D_CHUNKS * 16,
-                              do_rows + b_row * D_CHUNKS * 16, a_steps, b_steps);
-        }
-        float s[Tr::C_N_TILES][4];
-        keys_by_queries<Tr>(s, s_k + (warp * 16 + a_row) * D_CHUNKS * 16,
-                            q_rows + b_row * D_CHUNKS * 16, a_steps, b_steps);
+        // S^T = K Q^T, and dP^T = V dO^T for dS
+        float s[Tr::C_N_TILES][4], dp[Tr::C_N_TILES][4];
+        keys_by_queries<Tr, DS>(s, dp, s_k + (warp * 16 + a_row) * D_CHUNKS * 16,
+                                s_v + (warp * 16 + a_row) * D_CHUNKS * 16,
+                                q_rows + b_row * D_CHUNKS * 16, do_rows + b_row * D_CHUNKS * 16,
+                                a_steps, b_steps);
         // P = exp2(scale hook(S) - lse2), 0 where masked; dS = P (dP - D) hook'
         scores_to_p_ds<DS>(s, dp, rows_of(st) + c * Tr::Q_CHUNK, h, m0 + c * Tr::Q_CHUNK,
                            masked);
@@ -446,7 +450,7 @@ struct BwdBlock {
     float acc[Tr::DQ_N_TILES][4];
 #pragma unroll
     for (int nt = 0; nt < Tr::DQ_N_TILES; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
-#pragma unroll EXP_DQ_UNROLL
+#pragma unroll
     for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
       u32 af[4];
       ldmatrix_x4_trans(af, s_ds + kk * 16 * Tr::M_CHUNKS * 16 + ds_lane);

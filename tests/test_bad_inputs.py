@@ -102,6 +102,19 @@ def varlen_kwargs(mk):
                 cu_seqlens_k=mk.array(cu), max_seqlen_q=9, max_seqlen_k=9)
 
 
+def bwd_kwargs(mk):
+    """flash_backward's small valid call: the forward's arrays, out, dout and lse."""
+    kw = flash_kwargs(mk)
+    return dict(dout=_randn(mk, (1, 16, 2, 64), F16), **kw,
+                out=_randn(mk, (1, 16, 2, 64), F16), lse=_randn(mk, (1, 2, 16), np.float32))
+
+
+def bwd_varlen_kwargs(mk):
+    kw = varlen_kwargs(mk)
+    return dict(dout=_randn(mk, (16, 2, 64), F16), q=kw.pop("q"), k=kw.pop("k"), v=kw.pop("v"),
+                out=_randn(mk, (16, 2, 64), F16), lse=_randn(mk, (2, 16), np.float32), **kw)
+
+
 def merge_kwargs(mk):
     return dict(prefix_out=_randn(mk, (16, 2, 64), BF16),
                 prefix_lse=_randn(mk, (2, 16), np.float32),
@@ -745,6 +758,80 @@ ROWS += table(
     ("stream-str", put(stream="default"), TypeError, "stream", DEVICE),  # after the kernel loads
     # devices
     *elsewhere("value", "k_cache", "v_cache", "slot_mapping"),
+)
+
+ROWS += table(
+    cuattn.flash_backward, bwd_kwargs,
+    *types("dout", "q", "k", "v", "out", "lse"),
+    *hook_rows(2),
+    # q, k, v: the forward's checks
+    ("q-float32", new("q", "k", "v", dtype=np.float32), TypeError, "q"),
+    ("k-bf16", new("k", dtype=BF16), TypeError, "k"),
+    ("headdim-12", new("q", "k", "v", "dout", "out", shape=(1, 16, 2, 12)), ValueError, "q"),
+    ("k-heads-not-a-divisor", new("k", "v", shape=(1, 16, 3, 64)), ValueError, "k"),
+    ("q-strided", new("q", strided=True), ValueError, "q"),
+    # dout and out: like q
+    ("dout-shape", new("dout", shape=(1, 16, 2, 32)), ValueError, "dout"),
+    ("dout-bf16", new("dout", dtype=BF16), TypeError, "dout"),
+    ("dout-strided", new("dout", strided=True), ValueError, "dout"),
+    ("dout-misaligned", new("dout", offset=2), ValueError, "dout"),
+    ("out-shape", new("out", shape=(1, 15, 2, 64)), ValueError, "out"),
+    ("out-float32", new("out", dtype=np.float32), TypeError, "out"),
+    ("out-misaligned", new("out", offset=4), ValueError, "out"),
+    # lse: float32 (batch, nheads, seqlen_q), as flash_forward returned it
+    ("lse-float16", new("lse", dtype=F16), TypeError, "lse"),
+    ("lse-float64", new("lse", dtype=np.float64), TypeError, "lse"),
+    ("lse-transposed-shape", new("lse", shape=(1, 16, 2)), ValueError, "lse"),
+    ("lse-rank2", new("lse", shape=(2, 16)), ValueError, "lse"),
+    ("lse-misaligned", new("lse", offset=2), ValueError, "lse"),
+    # options that cannot be a forward's
+    ("causal-str", put(causal="yes"), TypeError, "causal"),
+    ("softmax_scale-nan", put(softmax_scale=NAN), ValueError, "softmax_scale"),
+    ("softmax_scale-0", put(softmax_scale=0.0), ValueError, "softmax_scale"),
+    ("window_size-left-below-minus-1", put(window_size=(-2, 0)), ValueError, "window_size"),
+    ("window_size-int", put(window_size=3), TypeError, "window_size"),
+    ("deterministic-int", put(deterministic=1), TypeError, "deterministic"),
+    ("deterministic-str", put(deterministic="yes"), TypeError, "deterministic"),
+    ("stream-str", put(stream="default"), TypeError, "stream"),
+    # dq=, dk=, dv=: like q, k, v
+    *types("dq", like="q", required=False), *types("dk", like="k", required=False),
+    *types("dv", like="v", required=False),
+    ("dq-shape", new("dq", like="q", shape=(1, 16, 2, 32)), ValueError, "dq"),
+    ("dq-bf16", new("dq", like="q", dtype=BF16), TypeError, "dq"),
+    ("dk-shape", new("dk", like="k", shape=(1, 16, 1, 64)), ValueError, "dk"),
+    ("dk-strided", new("dk", like="k", strided=True), ValueError, "dk"),
+    ("dv-float32", new("dv", like="v", dtype=np.float32), TypeError, "dv"),
+    ("dv-misaligned", new("dv", like="v", offset=2), ValueError, "dv"),
+    # devices
+    *elsewhere("k", "v", "dout", "out", "lse"), *elsewhere("dq", like="q"),
+    *elsewhere("dk", "dv", like="k"),
+)
+
+ROWS += table(
+    cuattn.flash_varlen_backward, bwd_varlen_kwargs,
+    *types("dout", "q", "k", "v", "out", "lse", "cu_seqlens_q", "cu_seqlens_k"),
+    *hook_rows(2),
+    ("q-rank4", new("q", shape=(1, 16, 2, 64)), ValueError, "q"),
+    ("dout-shape", new("dout", shape=(15, 2, 64)), ValueError, "dout"),
+    ("out-bf16", new("out", dtype=BF16), TypeError, "out"),
+    ("lse-batch-layout", new("lse", shape=(1, 2, 16)), ValueError, "lse"),
+    ("lse-shape", new("lse", shape=(16, 2)), ValueError, "lse"),
+    ("cu_seqlens_q-int64", new("cu_seqlens_q", dtype=np.int64), TypeError, "cu_seqlens_q"),
+    ("cu_seqlens_k-length-differs", new("cu_seqlens_k", shape=(4,)), ValueError, "cu_seqlens_k"),
+    ("max_seqlen_q-float", put(max_seqlen_q=9.0), TypeError, "max_seqlen_q"),
+    ("max_seqlen_k-negative", put(max_seqlen_k=-1), ValueError, "max_seqlen_k"),
+    ("causal-int", put(causal=1), TypeError, "causal"),
+    ("softmax_scale-inf", put(softmax_scale=INF), ValueError, "softmax_scale"),
+    ("window_size-malformed", put(window_size=(0,)), TypeError, "window_size"),
+    ("deterministic-None", put(deterministic=None), TypeError, "deterministic"),
+    ("stream-float", put(stream=1.5), TypeError, "stream"),
+    *types("dq", like="q", required=False), *types("dk", like="k", required=False),
+    *types("dv", like="v", required=False),
+    ("dq-shape", new("dq", like="q", shape=(15, 2, 64)), ValueError, "dq"),
+    ("dk-f32", new("dk", like="k", dtype=np.float32), TypeError, "dk"),
+    ("dv-strided", new("dv", like="v", strided=True), ValueError, "dv"),
+    *elsewhere("k", "v", "dout", "out", "lse", "cu_seqlens_q", "cu_seqlens_k"),
+    *elsewhere("dq", like="q"), *elsewhere("dk", "dv", like="k"),
 )
 
 ROWS += table(

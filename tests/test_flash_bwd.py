@@ -103,10 +103,10 @@ def test_backward_forms_compile_for_sm90():
     assert bad == []
 
 
-# Spill stores (bytes) the backward's forms may show at sm_90 today: the hd128 and hd >= 192
-# forms keep dK, dV and the score chunks at the 255-register edge and ptxas spills a few
-# loop-invariant addresses (bench/NOTES.md, backward v1).
-BWD_SPILL_BOUND = 64
+# Spill stores (bytes) the backward's forms may show at sm_90 today: with every loop unrolled
+# (the fastest forms measured, bench/NOTES.md "backward v1") dK, dV and the score chunks sit at
+# the 255-register edge and ptxas spills a few loop-invariant values, up to 140 B at hd128.
+BWD_SPILL_BOUND = 160
 
 
 def test_backward_row_kernels_and_older_archs_compile():
