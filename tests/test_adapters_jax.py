@@ -20,9 +20,9 @@ import pytest
 from tests.adapter_reference import attention_grads_reference, forward_reference, jax_attention
 from tests.reference import attention_reference, tolerance
 
-jax = pytest.importorskip("jax")
+jax = pytest.importorskip("jax", exc_type=ImportError)
 jnp = pytest.importorskip("jax.numpy")
-cjax = pytest.importorskip("cuattn.jax")
+cjax = pytest.importorskip("cuattn.jax", exc_type=ImportError)
 
 import cuattn  # noqa: E402
 
