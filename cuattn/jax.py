@@ -193,7 +193,7 @@ def _run_forward(spec, ctx, outputs, q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_
                     out=out, stream=stream)
             _copy(lse, lse_new, stream)
 
-    _guarded(stream, work)
+    _guarded(stream, device, work)
 
 
 def _run_backward(spec, ctx, outputs, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
@@ -220,7 +220,7 @@ def _run_backward(spec, ctx, outputs, dout, q, k, v, out, lse, cu_seqlens_q, cu_
             if sink is not None:
                 _copy(dsink, grads[3], stream)
 
-    _guarded(stream, work)
+    _guarded(stream, device, work)
 
 
 def _device_of(buffer) -> int:
@@ -275,16 +275,22 @@ def _calls(spec, arrays: list, fold: bool):
                for x, _ in arrays]
 
 
-def _guarded(stream, work) -> None:
-    """Run ``work`` (cuattn calls on ``stream``). While XLA records the callback into a
-    command buffer (the stream is capturing), the graph keeps replaying into whatever
-    memory the calls allocate (lse and dsinks before their copies, scratch): every
-    allocation made then is kept for the life of the process, as cuattn keeps the scratch
-    of captured calls; and the thread's capture mode is relaxed for the call, so that a
-    first call may compile and load its kernel and the memory pool may grow."""
-    if not stream.is_capturing():
-        work()
-        return
+def _guarded(stream, device: int, work) -> None:
+    """Run ``work`` (cuattn calls on ``stream``) with ``device`` current; _recorded's way
+    while XLA records the callback into a command buffer (the stream is capturing)."""
+    with cupy.cuda.Device(device):
+        if stream.is_capturing():
+            _recorded(stream, work)
+        else:
+            work()
+
+
+def _recorded(stream, work) -> None:
+    """``work`` while its launches are recorded into a graph that will replay into
+    whatever memory they allocate (lse and dsinks before their copies, scratch): every
+    allocation made here is kept for the life of the process, as cuattn keeps the scratch
+    of captured calls; and the thread's capture mode is relaxed meanwhile, so that a first
+    call may compile and load its kernel, and the memory pool may grow."""
     from cuda.bindings import driver
     base = cupy.cuda.get_allocator()
 

@@ -12,6 +12,7 @@ Importing this module imports torch; ``import cuattn`` alone never does.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import Optional
 
 try:
@@ -243,28 +244,22 @@ def _view(t: Optional[Tensor]):
                        tuple(s * itemsize for s in t.stride()))
 
 
-class _on_torch_stream:
-    """Inside: cuattn's calls go to torch's current stream of ``like``'s device (the
-    ``as`` value), and CuPy allocates from torch's caching allocator on that stream. Under
-    CUDA-graph capture torch's allocator hands out the graph's private pool, so cuattn's
-    scratch lives as long as the graph, as torch's own temporaries do."""
+@contextmanager
+def _on_torch_stream(like: Tensor):
+    """Inside: cuattn's calls go to torch's current stream of ``like``'s device (the ``as``
+    value, that device current), and CuPy allocates from torch's caching allocator on that
+    stream. Under CUDA-graph capture torch's allocator hands out the graph's private pool,
+    so cuattn's scratch lives as long as the graph, as torch's own temporaries do."""
+    device = like.device.index
+    stream = torch.cuda.current_stream(device)
 
-    def __init__(self, like: Tensor):
-        self.device = like.device.index
-        self.stream = torch.cuda.current_stream(self.device)
-
-    def __enter__(self):
-        self.allocator = cupy.cuda.using_allocator(self._malloc)
-        self.allocator.__enter__()
-        return external_stream(self.stream.cuda_stream, self.device)
-
-    def __exit__(self, *exc):
-        return self.allocator.__exit__(*exc)
-
-    def _malloc(self, nbytes: int):
-        ptr = torch.cuda.caching_allocator_alloc(nbytes, self.device, self.stream)
-        memory = cupy.cuda.UnownedMemory(ptr, nbytes, _TorchBlock(ptr), self.device)
+    def malloc(nbytes: int):
+        ptr = torch.cuda.caching_allocator_alloc(nbytes, device, stream)
+        memory = cupy.cuda.UnownedMemory(ptr, nbytes, _TorchBlock(ptr), device)
         return cupy.cuda.MemoryPointer(memory, 0)
+
+    with cupy.cuda.Device(device), cupy.cuda.using_allocator(malloc):
+        yield external_stream(stream.cuda_stream, device)
 
 
 class _TorchBlock:

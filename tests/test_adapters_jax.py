@@ -29,13 +29,6 @@ import cuattn  # noqa: E402
 
 # ---- CPU: the plumbing, with NumPy stand-ins for the kernels --------------------------------
 
-class _HostStream:
-    ptr = 0
-
-    def is_capturing(self):
-        return False
-
-
 def _fake_forward(q, k, v, *, causal, softmax_scale, window_size, softcap, alibi_slopes,
                   sinks, return_lse, out, stream):
     o, lse = forward_reference(q, k, v, softmax_scale, causal=causal, window=window_size,
@@ -86,9 +79,10 @@ def _fake_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, *, 
 def on_cpu(monkeypatch):
     """cuattn.jax on JAX's CPU backend, its kernels and CuPy views replaced by NumPy."""
     monkeypatch.setattr(cjax, "_device_of", lambda buffer: 0)
-    monkeypatch.setattr(cjax, "_stream_of", lambda ctx, device: _HostStream())
+    monkeypatch.setattr(cjax, "_stream_of", lambda ctx, device: None)
     monkeypatch.setattr(cjax, "_view", lambda buffer, device: np.asarray(buffer))
     monkeypatch.setattr(cjax, "_copy", lambda dst, src, stream: np.copyto(dst, src))
+    monkeypatch.setattr(cjax, "_guarded", lambda stream, device, work: work())
     for name, fake in (("flash_forward", _fake_forward), ("flash_backward", _fake_backward),
                        ("flash_varlen_forward", _fake_varlen_forward),
                        ("flash_varlen_backward", _fake_varlen_backward)):
