@@ -1,0 +1,451 @@
+"""cuattn.jax: flash_attention / flash_attention_varlen under jax.jit, jax.grad, jax.vmap.
+
+Two kinds of tests (both skip without JAX):
+
+- CPU (plumbing): the custom_vjp, the buffer callbacks and their vmap rule on JAX's CPU
+  backend, with NumPy stand-ins for cuattn's kernels (float64 forward and backward of
+  tests/reference.py and tests/adapter_reference.py) and for the CuPy views: everything
+  but the kernels and the stream, against jax.numpy attention differentiated by JAX.
+- GPU: the real kernels on XLA's stream, against jax.nn.dot_product_attention (or the
+  jax.numpy attention where it lacks the option) in float32, by the project's tolerance
+  rule (tests/reference.py), with XLA's command buffers on and off.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from tests.adapter_reference import attention_grads_reference, forward_reference, jax_attention
+from tests.reference import attention_reference, tolerance
+
+jax = pytest.importorskip("jax", exc_type=ImportError)
+jnp = pytest.importorskip("jax.numpy")
+cjax = pytest.importorskip("cuattn.jax", exc_type=ImportError)
+
+import cuattn  # noqa: E402
+
+
+# ---- CPU: the plumbing, with NumPy stand-ins for the kernels --------------------------------
+
+def _fake_forward(q, k, v, *, causal, softmax_scale, window_size, softcap, alibi_slopes,
+                  sinks, return_lse, out, stream):
+    o, lse = forward_reference(q, k, v, softmax_scale, causal=causal, window=window_size,
+                               softcap=softcap, alibi=alibi_slopes, sinks=sinks)
+    out[...] = o.astype(out.dtype)
+    return out, lse.astype(np.float32)
+
+
+def _fake_backward(dout, q, k, v, out, lse, *, causal, softmax_scale, window_size, softcap,
+                   alibi_slopes, sinks, deterministic, dq, dk, dv, stream):
+    grads = [attention_grads_reference(q[b], k[b], v[b], dout[b], softmax_scale,
+                                       causal=causal, window=window_size, softcap=softcap,
+                                       alibi=alibi_slopes, sinks=sinks)
+             for b in range(q.shape[0])]
+    for i, dx in enumerate((dq, dk, dv)):
+        dx[...] = np.stack([g[i] for g in grads]).astype(dx.dtype)
+    dsinks = np.sum([g[3] for g in grads], axis=0).astype(np.float32)
+    return (dq, dk, dv, dsinks) if sinks is not None else (dq, dk, dv)
+
+
+def _segments(cu_q, cu_k):
+    return [(slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1]))
+            for b in range(len(cu_q) - 1)]
+
+
+def _fake_varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, *, out, **options):
+    lse = np.zeros((q.shape[1], q.shape[0]), np.float32)
+    for sq, sk in _segments(cu_q, cu_k):
+        _, seg_lse = _fake_forward(q[None, sq], k[None, sk], v[None, sk], out=out[None, sq],
+                                   **options)
+        lse[:, sq] = seg_lse[0]
+    return out, lse
+
+
+def _fake_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, *, dq, dk, dv,
+                          sinks, **options):
+    dsinks = np.zeros(q.shape[1], np.float32)
+    for sq, sk in _segments(cu_q, cu_k):
+        grads = _fake_backward(dout[None, sq], q[None, sq], k[None, sk], v[None, sk], None,
+                               None, dq=dq[None, sq], dk=dk[None, sk], dv=dv[None, sk],
+                               sinks=sinks, **options)
+        if sinks is not None:
+            dsinks += grads[3]
+    return (dq, dk, dv, dsinks) if sinks is not None else (dq, dk, dv)
+
+
+@pytest.fixture
+def on_cpu(monkeypatch):
+    """cuattn.jax on JAX's CPU backend, its kernels and CuPy views replaced by NumPy."""
+    monkeypatch.setattr(cjax, "_device_of", lambda buffer: 0)
+    monkeypatch.setattr(cjax, "_stream_of", lambda ctx, device: None)
+    monkeypatch.setattr(cjax, "_view", lambda buffer, device: np.asarray(buffer))
+    monkeypatch.setattr(cjax, "_copy", lambda dst, src, stream: np.copyto(dst, src))
+    monkeypatch.setattr(cjax, "_guarded", lambda stream, device, work: work())
+    for name, fake in (("flash_forward", _fake_forward), ("flash_backward", _fake_backward),
+                       ("flash_varlen_forward", _fake_varlen_forward),
+                       ("flash_varlen_backward", _fake_varlen_backward)):
+        monkeypatch.setattr(cuattn, name, fake, raising=False)
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield
+
+
+def _inputs(seed, shape_q, shape_kv, dtype=None, heads=None):
+    rng = np.random.default_rng(seed)
+    dtype = dtype or jnp.bfloat16
+    q, k, v = (jnp.asarray(rng.standard_normal(s), dtype)
+               for s in (shape_q, shape_kv, shape_kv))
+    dout = jnp.asarray(rng.standard_normal(shape_q), dtype)
+    return q, k, v, dout
+
+
+def _grads(fn, q, k, v, dout, *extra):
+    """(out, dq, dk, dv, d extra...) of sum(fn(q, k, v, *extra) * dout)."""
+    out, vjp = jax.vjp(fn, q, k, v, *extra)
+    return (out,) + vjp(dout.astype(out.dtype))
+
+
+def _assert_close(got, want, dtype, floor=1e-3, what=""):
+    """The project's rule: |got - want| <= 2 x the error of want rounded to dtype + floor."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert np.isfinite(got).all(), f"{what}: NaN/inf"
+    lowp = np.asarray(jnp.asarray(want, dtype).astype(jnp.float32), np.float64)
+    err = np.abs(got - want).max(initial=0)
+    tol = tolerance(np.abs(lowp - want).max(initial=0), floor)
+    assert err <= tol, f"{what}: max error {err} > {tol}"
+
+
+CASES = [
+    dict(),
+    dict(causal=True),
+    dict(window=(3, 2)),
+    dict(causal=True, softcap=5.0),
+    dict(sinks=True),
+    dict(alibi=True, causal=True),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: ",".join(c) or "plain")
+def test_plumbing_gradients_match_jax_autodiff(on_cpu, case):
+    """jax.grad through the custom_vjp (jitted) equals JAX's own autodiff of the same
+    attention; GQA (4 query heads on 2 kv heads), seqlen_q < seqlen_k."""
+    q, k, v, dout = _inputs(0, (2, 5, 4, 16), (2, 7, 2, 16))
+    rng = np.random.default_rng(1)
+    alibi = jnp.asarray(rng.uniform(0.1, 0.5, 4), jnp.float32) if case.get("alibi") else None
+    sinks = jnp.asarray(rng.standard_normal(4), jnp.float32) if case.get("sinks") else None
+    options = dict(causal=case.get("causal", False), window_size=case.get("window", (-1, -1)),
+                   softcap=case.get("softcap", 0.0))
+    scale = 1 / math.sqrt(16)
+
+    @jax.jit
+    def ours(q, k, v, alibi, sinks):
+        return cjax.flash_attention(q, k, v, alibi_slopes=alibi, sinks=sinks, **options)
+
+    def theirs(q, k, v, alibi, sinks):
+        return jax_attention(q, k, v, scale=scale, causal=options["causal"],
+                             window=options["window_size"], softcap=options["softcap"],
+                             alibi=alibi, sinks=sinks)
+
+    got = _grads(ours, q, k, v, dout, alibi, sinks)
+    f32 = [None if x is None else x.astype(jnp.float32) for x in (q, k, v, dout)]
+    want = _grads(theirs, *f32, alibi, sinks)
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+        _assert_close(g, w, jnp.bfloat16, what=name)
+    if alibi is not None:
+        assert not np.asarray(got[4]).any()          # flash-attn: no gradient for ALiBi
+    if sinks is not None:
+        _assert_close(got[5], want[5], jnp.float32, floor=1e-4, what="dsinks")
+    else:
+        assert got[5] is None
+
+
+@pytest.mark.parametrize("mapped", ["all", "q only", "with sinks"])
+def test_plumbing_vmap(on_cpu, mapped):
+    """jax.vmap over a leading axis of the loss's gradients: folded into the batch when
+    q, k, v are all mapped (one call), else one call per element; the same numbers as
+    calling each element alone."""
+    q, k, v, dout = _inputs(2, (3, 2, 6, 4, 16), (3, 2, 6, 2, 16))
+    sinks = jnp.asarray(np.random.default_rng(3).standard_normal(4), jnp.float32)
+    if mapped == "q only":
+        k, v = k[0], v[0]
+    use_sinks = mapped == "with sinks"
+
+    def loss(q, k, v, sinks, dout):
+        out = cjax.flash_attention(q, k, v, causal=True, sinks=sinks if use_sinks else None)
+        return jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32))
+
+    grad = jax.grad(loss, argnums=(0, 1, 2, 3))
+    kv_axis = 0 if mapped != "q only" else None
+    batched = jax.jit(jax.vmap(grad, in_axes=(0, kv_axis, kv_axis, None, 0)))(q, k, v, sinks,
+                                                                             dout)
+    for i in range(q.shape[0]):
+        ki, vi = (k[i], v[i]) if kv_axis == 0 else (k, v)
+        alone = grad(q[i], ki, vi, sinks, dout[i])
+        for name, b, a in zip(("dq", "dk", "dv"), batched, alone):
+            if name != "dq" and kv_axis is None:
+                continue                       # summed over the mapped axis by vmap
+            np.testing.assert_array_equal(np.asarray(b[i]), np.asarray(a), err_msg=name)
+        if use_sinks:
+            np.testing.assert_allclose(np.asarray(batched[3][i]), np.asarray(alone[3]),
+                                       rtol=1e-6, atol=1e-6)
+
+
+def test_plumbing_varlen(on_cpu):
+    """flash_attention_varlen's gradients equal the dense call's of each sequence, and the
+    cu_seqlens get none (a zero cotangent)."""
+    lengths_q, lengths_k = [3, 0, 5], [4, 2, 6]
+    cu_q = jnp.asarray(np.cumsum([0] + lengths_q), jnp.int32)
+    cu_k = jnp.asarray(np.cumsum([0] + lengths_k), jnp.int32)
+    q, k, v, dout = _inputs(4, (sum(lengths_q), 4, 16), (sum(lengths_k), 2, 16))
+    sinks = jnp.asarray(np.random.default_rng(5).standard_normal(4), jnp.float32)
+
+    def packed(q, k, v, sinks):
+        return cjax.flash_attention_varlen(q, k, v, cu_q, cu_k, max(lengths_q),
+                                           max(lengths_k), causal=True, sinks=sinks)
+
+    out, dq, dk, dv, dsinks = _grads(jax.jit(packed), q, k, v, dout, sinks)
+    want_dsinks = np.zeros(4)
+    for b in range(3):
+        sq = slice(int(cu_q[b]), int(cu_q[b + 1]))
+        sk = slice(int(cu_k[b]), int(cu_k[b + 1]))
+        ref = attention_grads_reference(q[sq], k[sk], v[sk], dout[sq], 0.25, causal=True,
+                                        sinks=np.asarray(sinks))
+        want_out, _ = attention_reference(q[sq], k[sk], v[sk], 0.25, causal=True,
+                                          sinks=np.asarray(sinks))
+        for name, g, w in zip(("out", "dq", "dk", "dv"), (out[sq], dq[sq], dk[sk], dv[sk]),
+                              (want_out,) + ref[:3]):
+            _assert_close(g, w, jnp.bfloat16, what=f"{name} of sequence {b}")
+        want_dsinks += ref[3]
+    _assert_close(dsinks, want_dsinks, jnp.float32, floor=1e-4, what="dsinks")
+
+
+def test_plumbing_eager_calls_reuse_one_compiled_program(on_cpu):
+    """Without jax.jit: the callbacks are one object per set of options, so a second
+    eager call compiles nothing new."""
+    q, k, v, _ = _inputs(6, (1, 4, 2, 16), (1, 4, 2, 16))
+    first = cjax.flash_attention(q, k, v, causal=True)
+    assert cjax._forward_callback(cjax._spec(False, q, True, None, (-1, -1), 0.0, False, 0, 0)) \
+        is cjax._forward_callback(cjax._spec(False, q, True, None, (-1, -1), 0.0, False, 0, 0))
+    np.testing.assert_array_equal(np.asarray(first),
+                                  np.asarray(cjax.flash_attention(q, k, v, causal=True)))
+
+
+# ---- CPU: bad inputs raise before anything is traced ----------------------------------------
+
+def _bad(**change):
+    q = jnp.zeros((1, 8, 4, 64), jnp.bfloat16)
+    kv = jnp.zeros((1, 8, 2, 64), jnp.bfloat16)
+    args = dict(q=q, k=kv, v=kv)
+    args.update({k: v for k, v in change.items() if k in args})
+    options = {k: v for k, v in change.items() if k not in args}
+    return lambda: cjax.flash_attention(args["q"], args["k"], args["v"], **options)
+
+
+@pytest.mark.parametrize("change,error,name", [
+    (dict(q=jnp.zeros((1, 8, 4, 64), jnp.float32)), TypeError, "q"),
+    (dict(k=jnp.zeros((1, 8, 2, 64), jnp.float16)), TypeError, "k"),
+    (dict(q=jnp.zeros((8, 4, 64), jnp.bfloat16)), ValueError, "q"),
+    (dict(v=jnp.zeros((1, 9, 2, 64), jnp.bfloat16)), ValueError, "v"),
+    (dict(k=jnp.zeros((1, 8, 3, 64), jnp.bfloat16),
+          v=jnp.zeros((1, 8, 3, 64), jnp.bfloat16)), ValueError, "k"),
+    (dict(q=jnp.zeros((1, 8, 4, 60), jnp.bfloat16)), ValueError, "q"),
+    (dict(k=jnp.zeros((2, 8, 2, 64), jnp.bfloat16),
+          v=jnp.zeros((2, 8, 2, 64), jnp.bfloat16)), ValueError, "k"),
+    (dict(causal=1), TypeError, "causal"),
+    (dict(deterministic="yes"), TypeError, "deterministic"),
+    (dict(softmax_scale=-1.0), ValueError, "softmax_scale"),
+    (dict(window_size=(-2, 0)), ValueError, "window_size"),
+    (dict(window_size=3), TypeError, "window_size"),
+    (dict(softcap=-1.0), ValueError, "softcap"),
+    (dict(sinks=jnp.zeros(4, jnp.float16)), TypeError, "sinks"),
+    (dict(alibi_slopes=jnp.zeros(2, jnp.float32)), ValueError, "alibi_slopes"),
+])
+def test_bad_inputs_name_the_argument(change, error, name):
+    with pytest.raises(error, match=rf"^{name}: "):
+        _bad(**change)()
+
+
+def test_bad_varlen_inputs_name_the_argument():
+    q = jnp.zeros((8, 4, 64), jnp.bfloat16)
+    kv = jnp.zeros((8, 2, 64), jnp.bfloat16)
+    cu = jnp.asarray([0, 8], jnp.int32)
+    with pytest.raises(TypeError, match="^cu_seqlens_k: "):
+        cjax.flash_attention_varlen(q, kv, kv, cu, cu.astype(jnp.float32), 8, 8)
+    with pytest.raises(TypeError, match="^max_seqlen_q: "):
+        cjax.flash_attention_varlen(q, kv, kv, cu, cu, 8.0, 8)
+    with pytest.raises(ValueError, match="^max_seqlen_k: "):
+        cjax.flash_attention_varlen(q, kv, kv, cu, cu, 8, -1)
+    with pytest.raises(TypeError, match="^max_seqlen_q: "):
+        jax.jit(lambda n: cjax.flash_attention_varlen(q, kv, kv, cu, cu, n, 8))(8)
+
+
+# ---- GPU: the real kernels on XLA's stream --------------------------------------------------
+
+def _gpu():
+    try:
+        return jax.devices("gpu")[0]
+    except RuntimeError:
+        pytest.skip("this jax has no GPU backend")
+
+
+@pytest.fixture(params=[True, False], ids=["command-buffer", "no-command-buffer"])
+def command_buffer(request, monkeypatch):
+    """Both settings of buffer_callback's command_buffer_compatible."""
+    monkeypatch.setattr(cjax, "_COMMAND_BUFFER", request.param)
+    return request.param
+
+
+def _check_against(ours, theirs, args, dout, dtype, what):
+    """ours' and theirs' outputs and gradients; theirs in float32 is the reference, theirs
+    in ``dtype`` sets the tolerance (the project's rule)."""
+    got = _grads(jax.jit(ours), *args[:3], dout, *args[3:])
+    f32 = [None if x is None else x.astype(jnp.float32) for x in args]
+    want = _grads(jax.jit(theirs), *f32[:3], dout.astype(jnp.float32), *f32[3:])
+    lowp = _grads(jax.jit(theirs), *args[:3], dout, *args[3:])
+    for name, g, w, lo in zip(("out", "dq", "dk", "dv", "dalibi", "dsinks"), got, want, lowp):
+        if g is None or name == "dalibi":
+            continue
+        g, w, lo = (np.asarray(x, np.float64) for x in (g, w, lo))
+        assert np.isfinite(g).all(), f"{what} {name}: NaN/inf"
+        err = np.abs(g - w).max(initial=0)
+        tol = tolerance(np.abs(lo - w).max(initial=0), 1e-3 if name != "dsinks" else 1e-4)
+        assert err <= tol, f"{what} {name}: max error {err} > {tol}"
+
+
+GPU_CASES = [
+    dict(name="plain", shape=(2, 128, 4, 64), kv=(2, 128, 4, 64)),
+    dict(name="causal", shape=(2, 128, 4, 64), kv=(2, 128, 4, 64), causal=True),
+    dict(name="causal GQA hd128", shape=(1, 200, 8, 128), kv=(1, 200, 2, 128), causal=True),
+    dict(name="window", shape=(2, 96, 4, 64), kv=(2, 160, 4, 64), window=(32, 8)),
+    dict(name="softcap", shape=(2, 128, 4, 64), kv=(2, 128, 2, 64), causal=True, softcap=20.0),
+    dict(name="sinks", shape=(2, 128, 4, 64), kv=(2, 128, 4, 64), causal=True, sinks=True),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: c["name"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_gradients_against_jax(case, dtype, command_buffer):
+    """out, dq, dk, dv (and dsinks) of jax.jit(jax.vjp(flash_attention)) against
+    jax.nn.dot_product_attention where it has the option (plain, causal, GQA; its causal
+    mask is top-left aligned, so equal lengths there), else the jax.numpy attention."""
+    device = _gpu()
+    dtype = getattr(jnp, dtype)
+    rng = np.random.default_rng(7)
+    with jax.default_device(device):
+        q, k, v, dout = _inputs(8, case["shape"], case["kv"], dtype)
+        sinks = (jnp.asarray(rng.standard_normal(case["shape"][2]), jnp.float32)
+                 if case.get("sinks") else None)
+        causal, window = case.get("causal", False), case.get("window", (-1, -1))
+        softcap = case.get("softcap", 0.0)
+        scale = 1 / math.sqrt(case["shape"][-1])
+
+        def ours(q, k, v, sinks):
+            return cjax.flash_attention(q, k, v, causal=causal, window_size=window,
+                                        softcap=softcap, sinks=sinks)
+
+        if window == (-1, -1) and softcap == 0 and sinks is None:
+            def theirs(q, k, v, sinks):
+                return jax.nn.dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+        else:
+            def theirs(q, k, v, sinks):
+                return jax_attention(q, k, v, scale=scale, causal=causal, window=window,
+                                     softcap=softcap, sinks=sinks)
+
+        _check_against(ours, theirs, (q, k, v, sinks), dout, dtype, case["name"])
+
+
+@pytest.mark.gpu
+def test_alibi_gradient_is_zero_and_output_matches():
+    device = _gpu()
+    with jax.default_device(device):
+        q, k, v, dout = _inputs(9, (1, 64, 4, 64), (1, 64, 4, 64))
+        alibi = jnp.asarray([0.1, 0.2, 0.3, 0.4], jnp.float32)
+
+        def ours(q, k, v, alibi):
+            return cjax.flash_attention(q, k, v, causal=True, alibi_slopes=alibi)
+
+        got = _grads(jax.jit(ours), q, k, v, dout, alibi)
+        want = _grads(lambda q, k, v, a: jax_attention(q, k, v, scale=0.125, causal=True,
+                                                       alibi=a),
+                      *(x.astype(jnp.float32) for x in (q, k, v)), dout.astype(jnp.float32),
+                      alibi)
+        _assert_close(got[0], want[0], jnp.bfloat16, what="out")
+        _assert_close(got[1], want[1], jnp.bfloat16, floor=2e-3, what="dq")
+        assert not np.asarray(got[4]).any()
+
+
+@pytest.mark.gpu
+def test_varlen_gradients_equal_the_dense_calls(command_buffer):
+    """flash_attention_varlen of three packed sequences (one empty): each sequence's out
+    and gradients against the jax.numpy attention of that sequence alone."""
+    device = _gpu()
+    lengths_q, lengths_k = [37, 0, 64], [50, 16, 64]
+    with jax.default_device(device):
+        cu_q = jnp.asarray(np.cumsum([0] + lengths_q), jnp.int32)
+        cu_k = jnp.asarray(np.cumsum([0] + lengths_k), jnp.int32)
+        q, k, v, dout = _inputs(10, (sum(lengths_q), 4, 64), (sum(lengths_k), 2, 64))
+
+        def packed(q, k, v):
+            return cjax.flash_attention_varlen(q, k, v, cu_q, cu_k, 64, 64, causal=True)
+
+        out, dq, dk, dv = _grads(jax.jit(packed), q, k, v, dout)
+        for b in range(3):
+            sq = slice(int(cu_q[b]), int(cu_q[b + 1]))
+            sk = slice(int(cu_k[b]), int(cu_k[b + 1]))
+            f32 = [x[None].astype(jnp.float32) for x in (q[sq], k[sk], v[sk])]
+            want = _grads(lambda q, k, v: jax_attention(q, k, v, scale=0.125, causal=True),
+                          *f32, dout[sq][None].astype(jnp.float32))
+            for name, g, w in zip(("out", "dq", "dk", "dv"),
+                                  (out[sq], dq[sq], dk[sk], dv[sk]), want):
+                _assert_close(g, w[0], jnp.bfloat16, floor=2e-3, what=f"{name}, sequence {b}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mapped", ["all", "q only"])
+def test_vmap_of_grad_equals_the_unmapped_calls(mapped, command_buffer):
+    device = _gpu()
+    with jax.default_device(device):
+        q, k, v, dout = _inputs(11, (3, 2, 64, 4, 64), (3, 2, 64, 2, 64))
+        kv_axis = 0 if mapped == "all" else None
+        if kv_axis is None:
+            k, v = k[0], v[0]
+
+        def loss(q, k, v, dout):
+            out = cjax.flash_attention(q, k, v, causal=True)
+            return jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32))
+
+        grad = jax.grad(loss, argnums=(0, 1, 2))
+        batched = jax.jit(jax.vmap(grad, in_axes=(0, kv_axis, kv_axis, 0)))(q, k, v, dout)
+        for i in range(q.shape[0]):
+            ki, vi = (k[i], v[i]) if kv_axis == 0 else (k, v)
+            alone = jax.jit(grad)(q[i], ki, vi, dout[i])
+            np.testing.assert_array_equal(np.asarray(batched[0][i]), np.asarray(alone[0]))
+            if kv_axis == 0:
+                np.testing.assert_array_equal(np.asarray(batched[1][i]), np.asarray(alone[1]))
+
+
+@pytest.mark.gpu
+def test_repeated_jitted_steps_give_the_same_bits(command_buffer):
+    """A jitted value-and-grad called many times (XLA replays its command buffer after the
+    first calls): every call's gradients the same bits as the first's."""
+    device = _gpu()
+    with jax.default_device(device):
+        q, k, v, dout = _inputs(12, (2, 256, 8, 128), (2, 256, 2, 128))
+
+        @jax.jit
+        def step(q, k, v):
+            def loss(q, k, v):
+                out = cjax.flash_attention(q, k, v, causal=True, deterministic=True)
+                return jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32))
+            return jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+        first = jax.block_until_ready(step(q, k, v))
+        for _ in range(20):
+            again = step(q, k, v)
+        for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(again)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        # new values in the same shapes: the replayed program reads them
+        moved = step(q * 2, k, v)
+        assert not np.array_equal(np.asarray(moved[1][0]), np.asarray(first[1][0]))
