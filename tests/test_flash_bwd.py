@@ -23,7 +23,7 @@ from cuattn import tuning, tuning_bwd
 from cuattn.variants import MASK_CAUSAL, MASK_NONE, MASK_WINDOW, FEAT_ALIBI, FEAT_SOFTCAP, \
     FlashBwdVariant
 from tests.compiled import compile_reports
-from tests.reference import attention_backward_reference, attention_reference
+from tests.reference import attention_backward_reference, attention_reference, grad_tolerance
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F16 = np.dtype(np.float16)
@@ -163,7 +163,7 @@ def check_grads(got, want, lowp, dtype, what=""):
     assert np.isfinite(g).all(), f"{what}: NaN/inf (an unwritten element, or a bad row)"
     err = np.abs(g - want).max(initial=0)
     err_lp = np.abs(lowp - want).max(initial=0)
-    tol = 3 * err_lp + _floor(dtype) * max(1.0, np.abs(want).max(initial=0))
+    tol = grad_tolerance(err_lp, _floor(dtype) * max(1.0, np.abs(want).max(initial=0)))
     assert err <= tol, f"{what}: max error {err:.3g} > {tol:.3g} (lowp ref {err_lp:.3g})"
 
 
