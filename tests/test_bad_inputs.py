@@ -512,6 +512,12 @@ ROWS += table(
                                           "k_cache": mk.zeros((4, 48, 2, 128), BF16),
                                           "v_cache": mk.zeros((4, 48, 2, 128), BF16)},
      ValueError, "k_cache"),
+    # an fp8 token row of head size 120 is not whole 16-byte vectors
+    ("nhd-fp8-head_size-120", lambda kw, mk: {**kw, "kv_layout": "nhd",
+                                              "q": mk.zeros((2, 4, 120), BF16),
+                                              "k_cache": mk.zeros((4, 16, 2, 120), np.uint8),
+                                              "v_cache": mk.zeros((4, 16, 2, 120), np.uint8)},
+     ValueError, "k_cache"),
     *types("out", like="q", required=False),
     ("alibi_slopes-numpy", put(alibi_slopes=np.zeros(4, np.float32)), TypeError, "alibi_slopes"),
     ("alibi_slopes-list", put(alibi_slopes=[0.0] * 4), TypeError, "alibi_slopes"),
@@ -820,3 +826,4 @@ def test_bad_input_without_a_device(row, monkeypatch):
     monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda *a: contextlib.nullcontext())
     monkeypatch.setattr(cupy.cuda, "Device", lambda *a: contextlib.nullcontext())
     call()
+
