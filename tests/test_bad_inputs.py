@@ -827,3 +827,50 @@ def test_bad_input_without_a_device(row, monkeypatch):
     monkeypatch.setattr(cupy.cuda, "Device", lambda *a: contextlib.nullcontext())
     call()
 
+
+# -- a valid call on a machine without a usable device ----------------------------------------
+
+def _nhd_paged(dtype, head_size):
+    """paged_kwargs over NHD caches of ``dtype`` at ``head_size``: fp8 and head size 120 run
+    on the flash form (docs/api.md, paged_attention's kv_layout)."""
+    def kwargs(mk):
+        shape = cuattn.paged_kv_cache_shapes(4, 2, head_size, 16, dtype, kv_layout="nhd")[0]
+        return {**paged_kwargs(mk), "kv_layout": "nhd", "q": mk.zeros((2, 4, head_size), BF16),
+                "k_cache": mk.zeros(shape, dtype), "v_cache": mk.zeros(shape, dtype)}
+    return kwargs
+
+
+def _no_tokens(mk):
+    return {**reshape_kwargs(mk), "key": mk.zeros((0, 2, 128), BF16),
+            "value": mk.zeros((0, 2, 128), BF16), "slot_mapping": mk.zeros((0,), np.int32)}
+
+
+VALID_CALLS = [
+    (cuattn.flash_forward, flash_kwargs, "plain"),
+    (cuattn.flash_varlen_forward, varlen_kwargs, "plain"),
+    (cuattn.merge_attn_states, merge_kwargs, "plain"),
+    (cuattn.merge_states, merge_states_kwargs, "plain"),
+    (cuattn.paged_attention, paged_kwargs, "plain"),
+    (cuattn.paged_attention, _nhd_paged(np.uint8, 128), "nhd-fp8"),
+    (cuattn.paged_attention, _nhd_paged(BF16, 120), "nhd-head_size-120"),
+    (cuattn.paged_prefill, prefill_kwargs, "plain"),
+    (cuattn.reshape_and_cache, reshape_kwargs, "plain"),
+    (cuattn.reshape_and_cache, _no_tokens, "no-tokens"),   # a plan that launches nothing
+]
+
+
+def test_every_public_function_has_a_valid_call():
+    touching = set(cuattn.__all__) - {"__version__", "paged_kv_cache_shapes"}  # (no device)
+    assert {fn.__name__ for fn, _, _ in VALID_CALLS} == touching
+
+
+@pytest.mark.skipif(_has_gpu(), reason="this machine has a GPU")
+@pytest.mark.parametrize("fn,valid", [pytest.param(fn, valid, id=f"{fn.__name__}-{name}")
+                                      for fn, valid, name in VALID_CALLS])
+def test_valid_call_without_a_device_is_one_device_error(fn, valid):
+    """Past its checks, a call's first touch of the device raises cuattn's DeviceError, one
+    line with no CUDA error chained, not CUDA's own (cudaErrorInsufficientDriver)."""
+    from cuattn.jit import DeviceError
+    with pytest.raises(DeviceError, match=r"^cuattn: no usable CUDA device 0: ") as caught:
+        fn(**valid(Arrays(real=False)))
+    assert "\n" not in str(caught.value) and caught.value.__suppress_context__

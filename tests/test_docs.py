@@ -158,3 +158,20 @@ def test_readme_shipped_set_count_is_the_codes():
         "re-measure into an empty cache (CUATTN_CACHE_DIR=$(mktemp -d) time python -m cuattn "
         "precompile --arch sm_90; du -sh the directory) and update the sentence")
 
+
+def test_cuda13_install_line_lists_every_dependency():
+    """README's CUDA 13 route installs with --no-deps, so its pip line must name every
+    dependency of pyproject.toml and of the [test] extra (CUDA 12 wheels by their CUDA 13
+    names): a missing `build` once failed the wheel test with "No module named build"."""
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    cuda13 = {"cupy-cuda12x": "cupy-cuda13x", "nvidia-cuda-nvrtc-cu12": "nvidia-cuda-nvrtc",
+              "nvidia-cuda-runtime-cu12": "nvidia-cuda-runtime"}
+    needed = [re.match(r"[\w.-]+", d).group(0)
+              for d in project["dependencies"] + project["optional-dependencies"]["test"]]
+    text = README.read_text()
+    line = re.search(r"pip install cupy-cuda13x(.*?)\npip install --no-deps", text, re.DOTALL)
+    assert line, "README.md: the CUDA 13 install lines moved"
+    listed = {re.match(r'"?([\w.-]+)', w).group(1) for w in line.group(1).split() if w != "\\"}
+    listed.add("cupy-cuda13x")
+    assert [cuda13.get(n, n) for n in needed if cuda13.get(n, n) not in listed] == []

@@ -231,8 +231,12 @@ def test_installed_wheel_finds_its_kernel_sources(tmp_path):
     or not; the wheel's directory leads sys.path, so the wheel, not this checkout (nor an
     editable install of it), provides cuattn."""
     wheel_dir = tmp_path / "wheel"
+    # (run outside the checkout: its build/ folder would pass for the build package)
     r = subprocess.run([sys.executable, "-m", "build", "--wheel", "--outdir", str(wheel_dir),
-                        str(REPO)], capture_output=True, text=True)
+                        str(REPO)], cwd=tmp_path, capture_output=True, text=True)
+    if "No module named build" in r.stderr:
+        pytest.fail("the 'build' package is missing from this environment: pip install build "
+                    "(README's install lines and the [test] extra list it)", pytrace=False)
     assert r.returncode == 0, r.stderr
     (wheel,) = wheel_dir.glob("cuattn-*.whl")
     import zipfile
