@@ -178,6 +178,13 @@ def hook_rows(nheads, vectors=("alibi_slopes", "sinks")):
     return rows
 
 
+def flashinfer_kwargs(mk):
+    return dict(kv_indptr=mk.array(np.array([0, 2, 3], np.int32)),
+                kv_indices=mk.array(np.array([3, 0, 1], np.int32)),
+                kv_last_page_len=mk.array(np.array([5, 16], np.int32)),
+                page_size=16, max_blocks_per_seq=4)
+
+
 def shapes_kwargs(mk):
     return dict(num_blocks=4, nheads_kv=2, head_size=128, block_size=16, dtype=BF16)
 
@@ -779,6 +786,71 @@ ROWS += table(
     ("num_blocks-bool", put(num_blocks=True), ValueError, "num_blocks"),
 )
 
+_TABLE = dict(shape=(2, 4), dtype=np.int32)      # flashinfer_kwargs' block_tables
+_LENS = dict(shape=(2,), dtype=np.int32)
+ROWS += table(
+    cuattn.block_tables_from_flashinfer, flashinfer_kwargs,
+    # wrong types
+    *types("kv_indptr", "kv_indices", "kv_last_page_len"),
+    ("out-numpy", put(out=np.zeros((2, 4), np.int32)), TypeError, "out"),
+    ("out-list", put(out=[[0] * 4] * 2), TypeError, "out"),
+    ("out_seq_lens-numpy", put(out_seq_lens=np.zeros(2, np.int32)), TypeError, "out_seq_lens"),
+    # the three tables: int32 vectors, contiguous, 4-byte aligned, batch + 1 / batch long
+    ("kv_indptr-int64", new("kv_indptr", dtype=np.int64), TypeError, "kv_indptr"),
+    ("kv_indptr-float32", new("kv_indptr", dtype=np.float32), TypeError, "kv_indptr"),
+    ("kv_indptr-rank2", new("kv_indptr", shape=(3, 1)), ValueError, "kv_indptr"),
+    ("kv_indptr-empty", new("kv_indptr", shape=(0,)), ValueError, "kv_indptr"),
+    ("kv_indptr-strided", new("kv_indptr", strided=True), ValueError, "kv_indptr"),
+    ("kv_indptr-misaligned", new("kv_indptr", offset=2), ValueError, "kv_indptr"),
+    ("kv_indices-int64", new("kv_indices", dtype=np.int64), TypeError, "kv_indices"),
+    ("kv_indices-rank2", new("kv_indices", shape=(3, 1)), ValueError, "kv_indices"),
+    ("kv_indices-strided", new("kv_indices", strided=True), ValueError, "kv_indices"),
+    ("kv_indices-misaligned", new("kv_indices", offset=2), ValueError, "kv_indices"),
+    ("kv_last_page_len-int64", new("kv_last_page_len", dtype=np.int64), TypeError,
+     "kv_last_page_len"),
+    ("kv_last_page_len-length", new("kv_last_page_len", shape=(3,)), ValueError,
+     "kv_last_page_len"),
+    ("kv_last_page_len-rank2", new("kv_last_page_len", shape=(2, 1)), ValueError,
+     "kv_last_page_len"),
+    ("kv_last_page_len-strided", new("kv_last_page_len", strided=True), ValueError,
+     "kv_last_page_len"),
+    ("kv_last_page_len-misaligned", new("kv_last_page_len", offset=2), ValueError,
+     "kv_last_page_len"),
+    # page_size: a block size of cuattn's caches; max_blocks_per_seq: 0 <= n, n * page < 2**29
+    ("page_size-3", put(page_size=3), ValueError, "page_size"),
+    ("page_size-0", put(page_size=0), ValueError, "page_size"),
+    ("page_size-float", put(page_size=16.0), TypeError, "page_size"),
+    ("page_size-bool", put(page_size=True), TypeError, "page_size"),
+    ("page_size-None", put(page_size=None), TypeError, "page_size"),
+    ("max_blocks_per_seq-negative", put(max_blocks_per_seq=-1), ValueError,
+     "max_blocks_per_seq"),
+    ("max_blocks_per_seq-2**25-of-16", put(max_blocks_per_seq=2**25), ValueError,
+     "max_blocks_per_seq"),
+    ("max_blocks_per_seq-float", put(max_blocks_per_seq=4.0), TypeError, "max_blocks_per_seq"),
+    ("max_blocks_per_seq-str", put(max_blocks_per_seq="4"), TypeError, "max_blocks_per_seq"),
+    # out= (batch, max_blocks_per_seq) and out_seq_lens= (batch,): int32, contiguous rows
+    ("out-shape", new("out", shape=(2, 5), dtype=np.int32), ValueError, "out"),
+    ("out-rank", new("out", shape=(8,), dtype=np.int32), ValueError, "out"),
+    ("out-int64", new("out", shape=(2, 4), dtype=np.int64), TypeError, "out"),
+    ("out-strided", new("out", **_TABLE, strided=True), ValueError, "out"),
+    ("out-misaligned", new("out", **_TABLE, offset=2), ValueError, "out"),
+    ("out_seq_lens-shape", new("out_seq_lens", shape=(3,), dtype=np.int32), ValueError,
+     "out_seq_lens"),
+    ("out_seq_lens-float32", new("out_seq_lens", shape=(2,), dtype=np.float32), TypeError,
+     "out_seq_lens"),
+    ("out_seq_lens-strided", new("out_seq_lens", **_LENS, strided=True), ValueError,
+     "out_seq_lens"),
+    ("out_seq_lens-misaligned", new("out_seq_lens", **_LENS, offset=2), ValueError,
+     "out_seq_lens"),
+    ("stream-str", put(stream="default"), TypeError, "stream"),
+    # devices
+    *elsewhere("kv_indices", "kv_last_page_len"),
+    ("out-other-device", new("out", **_TABLE, device=1), ValueError, "out", TWO_GPUS),
+    ("out_seq_lens-other-device", new("out_seq_lens", **_LENS, device=1), ValueError,
+     "out_seq_lens", TWO_GPUS),
+)
+
+
 def _params(rows):
     return [pytest.param(r, id=f"{r.fn.__name__}-{r.id}") for r in rows]
 
@@ -856,6 +928,10 @@ VALID_CALLS = [
     (cuattn.paged_prefill, prefill_kwargs, "plain"),
     (cuattn.reshape_and_cache, reshape_kwargs, "plain"),
     (cuattn.reshape_and_cache, _no_tokens, "no-tokens"),   # a plan that launches nothing
+    (cuattn.block_tables_from_flashinfer, flashinfer_kwargs, "plain"),
+    (cuattn.block_tables_from_flashinfer,
+     lambda mk: {**flashinfer_kwargs(mk), "out": mk.zeros((2, 4), np.int32),
+                 "out_seq_lens": mk.zeros((2,), np.int32)}, "out"),
 ]
 
 
