@@ -1,5 +1,5 @@
 """cuattn benchmarks: ``python bench/run.py [--suite merge flash bwd decode prefill host cold]
-[--quick] [--json F] [--plot F.png]``.
+[--quick] [--json F] [--plot F.png] [--arch sm_XY]``.
 
 Prints one Markdown table per suite (bwd, the backward: one per timing method), each kernel
 beside its peers measured in the same run and against the device's own ceilings (copy and
@@ -70,11 +70,30 @@ def _plot(results: dict, path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def _precompile_instead(arch: str) -> int:
+    """What a machine without a GPU can do: compile the shipped kernels for ``arch`` into
+    the cache, then say where they went and what to run next."""
+    from cuattn.__main__ import main as cli
+    from cuattn.jit import cache, compiler
+    print("bench: no CUDA device on this machine, so nothing can be timed.\n"
+          f"Precompiling the shipped kernels for {arch} instead "
+          f"(python -m cuattn precompile --arch {arch}).", flush=True)
+    status = cli(["precompile", "--arch", arch])
+    if status == 0:
+        nvrtc = ".".join(map(str, compiler.nvrtc_version()))
+        print(f"bench: the kernels are in {cache.cache_dir()} (python -m cuattn cache list). "
+              "Next, on a machine with a GPU: python bench/run.py (kernels it finds in its "
+              "cache, $CUATTN_CACHE_DIR, are not compiled again: copy this folder there to "
+              f"reuse them, with the same NVRTC, {nvrtc}).")
+    return status
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--suite", nargs="+", default=None,
-                        help=f"suites to run (default: all of {_available_suites()})")
+    parser.add_argument("--suite", nargs="+", default=None, choices=_available_suites(),
+                        metavar="SUITE", help="suites to run, of "
+                        f"{', '.join(_available_suites())} (default: all)")
     parser.add_argument("--quick", action="store_true", help="a few configurations per suite")
     parser.add_argument("--json", help="write all results to this file")
     parser.add_argument("--plot", help="draw a PNG chart of the results")
@@ -82,17 +101,10 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     if not _has_gpu():
-        print("bench: no CUDA device on this machine, so nothing can be timed.\n"
-              f"Precompiling the shipped kernels for {args.arch} instead "
-              "(python -m cuattn precompile --arch ...).", flush=True)
-        from cuattn.__main__ import main as cli
-        return cli(["precompile", "--arch", args.arch])
+        return _precompile_instead(args.arch)
 
     from bench.harness import format_table, measure_ceilings
     suites = args.suite or _available_suites()
-    unknown = [s for s in suites if s not in _available_suites()]
-    if unknown:
-        parser.error(f"--suite: unknown or missing {unknown}; available {_available_suites()}")
     ceilings = measure_ceilings(quick=args.quick)
     print(format_table([ceilings.row()], "ceilings (measured now)"), flush=True)
     results = {"ceilings": ceilings.row(), "suites": {}}

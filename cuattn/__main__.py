@@ -149,8 +149,10 @@ def main(argv=None) -> int:
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(fn=cmd_precompile)
     p = sub.add_parser("cache", help="list or clear the kernel cache",
-                       description="list: print every cached kernel; clear: remove them all.")
-    p.add_argument("action", choices=["list", "clear"], help="list or clear")
+                       description="list (the default): print every cached kernel; clear: "
+                                   "remove them all.")
+    p.add_argument("action", nargs="?", default="list", choices=["list", "clear"],
+                   help="list (the default) or clear")
     p.set_defaults(fn=cmd_cache)
     args = parser.parse_args(argv)
     return args.fn(args)

@@ -10,8 +10,10 @@ and device, packs the pointers in front of each launch's static bytes and launch
 value inside an array is ever read on the host.
 
 An op calls ``plan_for(cache, arrays, names, scalars, build, stream, required)``, whose
-``build`` runs the op's checks (raising the argument errors) on a miss, then
-``execute(plan, arrays, stream, pointers)`` with what plan_for returned.
+``build`` runs the op's checks (raising the argument errors) on a miss and touches the device
+only after them, through ``on_device`` (so a machine without a usable GPU gets cuattn's
+one-line DeviceError), then ``execute(plan, arrays, stream, pointers)`` with what plan_for
+returned.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import cupy
 import numpy as np
 
 from . import _arrays as A
+from .jit import device_info
 
 _PLAN_CACHE_MAX = 512
 _caches: list[dict] = []   # every op's plan cache, so that tuning overrides can drop them
@@ -76,6 +79,15 @@ def _sign(arrays: tuple, scalars: tuple):
 
 
 NULL = 0   # the pointer slot that holds a null pointer (Slots)
+
+
+def on_device(device_id: int) -> cupy.cuda.Device:
+    """The device to enter (``with on_device(id):``) where a plan builder first touches it,
+    after every check: loading kernels, reading its limits. A machine without a usable
+    device (no GPU, no driver, below sm_80) gets cuattn.jit.DeviceError here, one line,
+    rather than CUDA's own error from whatever touched it first."""
+    device_info(device_id)
+    return cupy.cuda.Device(device_id)
 
 
 @dataclass(frozen=True)
@@ -196,6 +208,7 @@ def plan_for(cache: dict, arrays: tuple, names: tuple, scalars: tuple, build, st
         if plan is not None and _aligned(plan, signed[1]):
             return plan, arrays, stream, signed[1]
     plan = build(arrays)
+    device_info(plan.device_id)     # (a plan that launches nothing has not touched it yet)
     if signed is not None:
         if len(cache) >= _PLAN_CACHE_MAX:
             cache.clear()

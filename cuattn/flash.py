@@ -11,14 +11,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import cupy
 import numpy as np
 
 from . import _arrays as A
 from . import _tma, tuning
 from ._dtypes import activation_dtype
 from ._hooks import check_hooks, hook_fields
-from ._launch import NULL, Launch, Plan, execute, plan_cache, plan_for, returns
+from ._launch import (NULL, Launch, Plan, execute, on_device, plan_cache, plan_for,
+                      returns)
 from .jit import device_info, get_kernel
 from .variants import (FEAT_SINKS, FLASH_PARAMS, MASK_CAUSAL, MASK_NONE, MASK_WINDOW,
                        FlashFwdSm90Variant)
@@ -352,7 +352,7 @@ def _plan(c: Call) -> Plan:
         num_splits=num_splits,
         scale_log2=c.softmax_scale * A.LOG2E, softmax_scale_inv=1.0 / c.softmax_scale,
         m_blocks=m_blocks, **hook_fields(c.softcap, c.softmax_scale), **fields)
-    with cupy.cuda.Device(c.device_id):
+    with on_device(c.device_id):
         launches = [Launch(get_kernel(variant, c.device_id), grid,
                            (variant.num_threads,), variant.dynamic_smem_bytes,
                            FLASH_PARAMS.dtype, ptr_slots, tail, extra)]

@@ -15,7 +15,7 @@ import numpy as np
 from . import _arrays as A
 from . import tuning_bwd
 from ._hooks import check_hooks, hook_fields
-from ._launch import NULL, Launch, Plan, execute, plan_cache, plan_for, returns
+from ._launch import NULL, Launch, Plan, execute, on_device, plan_cache, plan_for, returns
 from .flash import _MAX_GRID_YZ, _check_cu_seqlens, _check_options, _check_qkv, \
     _mask_and_bounds, _MAX_SEQLEN, _INT32_MAX
 from .jit import device_info, get_kernel
@@ -247,7 +247,7 @@ def _plan(*, device_id, dtype, q, k, grads, batch, max_sq, max_sk, total_q, varl
         softmax_scale_inv=1.0 / softmax_scale, **hook_fields(softcap, softmax_scale), **fields)
 
     launches = []
-    with cupy.cuda.Device(device_id):
+    with on_device(device_id):
         def launch(variant, grid):
             launches.append(Launch(get_kernel(variant, device_id), grid, (variant.num_threads,),
                                    variant.dynamic_smem_bytes, FLASH_BWD_PARAMS.dtype, ptr_slots,

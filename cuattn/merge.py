@@ -6,13 +6,12 @@ Calls go through cuattn._launch: the checks below run once per call signature.
 """
 from __future__ import annotations
 
-import cupy
 import numpy as np
 
 from . import _arrays as A
 from . import tuning
 from ._dtypes import activation_dtype
-from ._launch import NULL, Launch, Plan, execute, plan_cache, plan_for, returns
+from ._launch import NULL, Launch, Plan, execute, on_device, plan_cache, plan_for, returns
 from .jit import get_kernel
 from .variants import MERGE_PARAMS
 
@@ -89,7 +88,7 @@ def _plan(variant, device_id, arrays, out_arg, rows, inputs, **fields) -> Plan:
     tail = MERGE_PARAMS.tail(out_stride_token=o_tok, out_stride_head=o_head,
                              lse_stride_head=l_head, lse_stride_token=l_tok, **fields)
     ptr_slots = (out_slot, lse_slot) + tuple(NULL if i is None else slots.arg(i) for i in inputs)
-    with cupy.cuda.Device(device_id):
+    with on_device(device_id):
         kernel = get_kernel(variant, device_id)
     launch = Launch(kernel, (-(-vecs // variant.num_threads),), (variant.num_threads,), 0,
                     MERGE_PARAMS.dtype, ptr_slots, tail)

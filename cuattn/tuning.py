@@ -15,7 +15,8 @@ from dataclasses import dataclass, replace
 
 from .variants import (FEAT_ALIBI, FEAT_PACK_GQA, FEAT_SOFTCAP, KV_DENSE,
                        MASK_CAUSAL, MASK_NONE, MASK_WINDOW, SM90_ARCH,
-                       FlashCombineVariant, FlashFwdSm90Variant, FlashFwdVariant, MergeVariant, PagedMmaVariant,
+                       FlashCombineVariant, FlashFwdSm90Variant, FlashFwdVariant,
+                       FlashInferTablesVariant, MergeVariant, PagedMmaVariant,
                        PagedReduceVariant, PagedSimtVariant, ReshapeCacheVariant)
 
 # ---- overrides (sweeps and tests) ---------------------------------------------------------------
@@ -611,6 +612,15 @@ def reshape_variant(dtype: str, cache: str, slot64: bool) -> ReshapeCacheVariant
     return ReshapeCacheVariant(dtype, cache, slot64, RESHAPE_CACHE_NUM_THREADS)
 
 
+# block_tables_from_flashinfer: a block per sequence writes its row of the table. First
+# guess, not measured (a row is max_blocks_per_seq int32: next to nothing beside attention).
+FLASHINFER_TABLES_NUM_THREADS = 128
+
+
+def flashinfer_tables_variant() -> FlashInferTablesVariant:
+    return FlashInferTablesVariant(FLASHINFER_TABLES_NUM_THREADS)
+
+
 # Shipped (precompiled) paged set: 16-bit caches of the activation dtype x these head sizes
 # x block 16 x groups x v1 and every v2 partition (what "auto" reaches).
 PAGED_SHIPPED_HEAD_SIZES = (64, 128, 256)
@@ -659,6 +669,7 @@ def _shipped_paged() -> list:
             out.append(paged_reduce_variant(dt, hs))
         for slot64 in (False, True):
             out.append(reshape_variant(dt, dt, slot64))
+    out.append(flashinfer_tables_variant())
     return out
 
 

@@ -107,6 +107,13 @@ RESHAPE_PARAMS = ParamsStruct("ReshapeCacheParams", [
     ("num_tokens", "i32"), ("num_kv_heads", "i32"), ("head_size", "i32"), ("block_size", "i32"),
 ])
 
+FLASHINFER_TABLES_PARAMS = ParamsStruct("FlashInferTablesParams", [
+    ("kv_indptr", "ptr"), ("kv_indices", "ptr"), ("kv_last_page_len", "ptr"),
+    ("block_tables", "out"), ("seq_lens", "out"),
+    ("bt_stride_seq", "i64"),
+    ("num_indices", "i32"), ("max_blocks_per_seq", "i32"), ("page_size", "i32"),
+])
+
 # Mask kinds of the flash kernel (cuda_src/common/mask.cuh kMask*).
 MASK_NONE, MASK_CAUSAL, MASK_WINDOW = 0, 1, 2
 _MASK_NAMES = {MASK_NONE: "c0", MASK_CAUSAL: "c1", MASK_WINDOW: "win"}
@@ -597,6 +604,23 @@ class ReshapeCacheVariant(Variant):
     def traits_args(self):
         return (BY_SHORT[self.dtype].cpp, BY_SHORT[self.cache_dtype].cpp, self.slot64,
                 self.threads)
+
+
+@dataclass(frozen=True)
+class FlashInferTablesVariant(Variant):
+    threads: int
+
+    op: ClassVar[str] = "flashinfer_tables"
+    header: ClassVar[str] = "flashinfer_tables.cuh"
+    kernel: ClassVar[str] = "flashinfer_tables_kernel"
+    traits: ClassVar[str] = "FlashInferTablesTraits"
+    params: ClassVar[ParamsStruct] = FLASHINFER_TABLES_PARAMS
+
+    def name_parts(self):
+        return (f"t{self.threads}",)
+
+    def traits_args(self):
+        return (self.threads,)
 
 
 # ---- the shipped set -------------------------------------------------------------------------------

@@ -119,7 +119,9 @@ reduced="tests/test_merge.py
  tests/test_prefill.py::test_decode_hooks_windows_and_layouts[window1-v1-softcap+alibi+sinks-nhd-256-mma]
  tests/test_prefill.py::test_decode_hooks_windows_and_layouts[window1-v2-softcap+alibi+sinks-nhd-1-mma]
  tests/test_prefill.py::test_decode_hooks_windows_and_layouts[window1-v1-softcap+alibi+sinks-vllm-8-simt]
- tests/test_prefill.py::test_decode_hooks_windows_and_layouts[window1-v2-softcap+alibi+sinks-vllm-8-simt]"
+ tests/test_prefill.py::test_decode_hooks_windows_and_layouts[window1-v2-softcap+alibi+sinks-vllm-8-simt]
+ tests/test_flashinfer_tables.py::test_matches_numpy[300-256-300]
+ tests/test_flashinfer_tables.py::test_writes_into_row_strided_out_buffers_and_nothing_else"
 pytest=(python3 -m pytest -q -m gpu -p no:cacheprovider)
 
 summarize() {   # $1 name, $2 exit code, $3 log -> one line on stdout and in the summary file

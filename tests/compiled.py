@@ -1,8 +1,25 @@
 """ptxas reports of kernel variants, each variant compiled once per test session.
 
-Several CPU tests check overlapping sets (the shipped set, every flash form, odd paged
-variants, ...): compile_reports() compiles what this session has not compiled yet, in
-parallel (NVRTC releases the GIL), and keeps every report for the tests after it.
+How the CPU compile checks are organised (read this before adding one, e.g. for a new
+kernel):
+
+- Every test that compiles goes through compile_reports(): it compiles only what this
+  session has not compiled yet (keyed by (variant, arch), so a form two tests list is
+  compiled once, whichever asks first), in parallel threads (NVRTC releases the GIL), and
+  keeps every report for the tests after it. Never call cuattn.jit.compile_variant in a
+  test directly.
+- Two tiers, because one compile costs about half a second of a 2-core machine and the
+  forms number about a thousand:
+  * the default run (``python -m pytest``, the README's command) compiles a few forms of
+    each kernel: the lightest and the heaviest of each sweep (the largest head dim, every
+    hook, split, window), the shipped set's first and last of each op, and a few per older
+    architecture. Its tests are named ``test_a_few_...`` or ``test_representative_...``.
+  * every exhaustive sweep carries ``@pytest.mark.slow``: it skips in the default run and
+    runs with ``python -m pytest -m slow`` (tests/conftest.py; .ci/run runs it as a second
+    step).
+- A new kernel: a function that lists its forms (e.g. tests/test_prefill.py
+  _prefill_forms), a slow test compiling all of them, and a default test compiling a few
+  of them (the same function with narrower arguments, or hand-picked extremes).
 """
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""Test configuration: GPU tests carry the ``gpu`` marker and skip cleanly without a device."""
+"""Test configuration: GPU tests carry the ``gpu`` marker and skip cleanly without a device;
+the exhaustive compile sweeps carry the ``slow`` marker and run only when ``-m`` names it
+(``python -m pytest -m slow``: CI's second step; tests/compiled.py says how the two tiers
+of compile checks divide the work)."""
 from __future__ import annotations
 
 import os
@@ -18,12 +21,16 @@ HAS_GPU = _gpu_available()
 
 
 def pytest_collection_modifyitems(config, items):
-    if HAS_GPU:
-        return
-    skip = pytest.mark.skip(reason="no CUDA device on this machine")
+    skips = []
+    if not HAS_GPU:
+        skips.append(("gpu", pytest.mark.skip(reason="no CUDA device on this machine")))
+    if "slow" not in (config.getoption("markexpr") or ""):
+        skips.append(("slow", pytest.mark.skip(
+            reason="an exhaustive compile sweep: python -m pytest -m slow runs it")))
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        for marker, skip in skips:
+            if marker in item.keywords:
+                item.add_marker(skip)
 
 
 @pytest.fixture(autouse=True)

@@ -191,6 +191,13 @@ def hook_rows(nheads, vectors=("alibi_slopes", "sinks")):
     return rows
 
 
+def flashinfer_kwargs(mk):
+    return dict(kv_indptr=mk.array(np.array([0, 2, 3], np.int32)),
+                kv_indices=mk.array(np.array([3, 0, 1], np.int32)),
+                kv_last_page_len=mk.array(np.array([5, 16], np.int32)),
+                page_size=16, max_blocks_per_seq=4)
+
+
 def shapes_kwargs(mk):
     return dict(num_blocks=4, nheads_kv=2, head_size=128, block_size=16, dtype=BF16)
 
@@ -524,6 +531,12 @@ ROWS += table(
     ("nhd-block_size-48", lambda kw, mk: {**kw, "kv_layout": "nhd",
                                           "k_cache": mk.zeros((4, 48, 2, 128), BF16),
                                           "v_cache": mk.zeros((4, 48, 2, 128), BF16)},
+     ValueError, "k_cache"),
+    # an fp8 token row of head size 120 is not whole 16-byte vectors
+    ("nhd-fp8-head_size-120", lambda kw, mk: {**kw, "kv_layout": "nhd",
+                                              "q": mk.zeros((2, 4, 120), BF16),
+                                              "k_cache": mk.zeros((4, 16, 2, 120), np.uint8),
+                                              "v_cache": mk.zeros((4, 16, 2, 120), np.uint8)},
      ValueError, "k_cache"),
     *types("out", like="q", required=False),
     ("alibi_slopes-numpy", put(alibi_slopes=np.zeros(4, np.float32)), TypeError, "alibi_slopes"),
@@ -860,6 +873,71 @@ ROWS += table(
     ("num_blocks-bool", put(num_blocks=True), ValueError, "num_blocks"),
 )
 
+_TABLE = dict(shape=(2, 4), dtype=np.int32)      # flashinfer_kwargs' block_tables
+_LENS = dict(shape=(2,), dtype=np.int32)
+ROWS += table(
+    cuattn.block_tables_from_flashinfer, flashinfer_kwargs,
+    # wrong types
+    *types("kv_indptr", "kv_indices", "kv_last_page_len"),
+    ("out-numpy", put(out=np.zeros((2, 4), np.int32)), TypeError, "out"),
+    ("out-list", put(out=[[0] * 4] * 2), TypeError, "out"),
+    ("out_seq_lens-numpy", put(out_seq_lens=np.zeros(2, np.int32)), TypeError, "out_seq_lens"),
+    # the three tables: int32 vectors, contiguous, 4-byte aligned, batch + 1 / batch long
+    ("kv_indptr-int64", new("kv_indptr", dtype=np.int64), TypeError, "kv_indptr"),
+    ("kv_indptr-float32", new("kv_indptr", dtype=np.float32), TypeError, "kv_indptr"),
+    ("kv_indptr-rank2", new("kv_indptr", shape=(3, 1)), ValueError, "kv_indptr"),
+    ("kv_indptr-empty", new("kv_indptr", shape=(0,)), ValueError, "kv_indptr"),
+    ("kv_indptr-strided", new("kv_indptr", strided=True), ValueError, "kv_indptr"),
+    ("kv_indptr-misaligned", new("kv_indptr", offset=2), ValueError, "kv_indptr"),
+    ("kv_indices-int64", new("kv_indices", dtype=np.int64), TypeError, "kv_indices"),
+    ("kv_indices-rank2", new("kv_indices", shape=(3, 1)), ValueError, "kv_indices"),
+    ("kv_indices-strided", new("kv_indices", strided=True), ValueError, "kv_indices"),
+    ("kv_indices-misaligned", new("kv_indices", offset=2), ValueError, "kv_indices"),
+    ("kv_last_page_len-int64", new("kv_last_page_len", dtype=np.int64), TypeError,
+     "kv_last_page_len"),
+    ("kv_last_page_len-length", new("kv_last_page_len", shape=(3,)), ValueError,
+     "kv_last_page_len"),
+    ("kv_last_page_len-rank2", new("kv_last_page_len", shape=(2, 1)), ValueError,
+     "kv_last_page_len"),
+    ("kv_last_page_len-strided", new("kv_last_page_len", strided=True), ValueError,
+     "kv_last_page_len"),
+    ("kv_last_page_len-misaligned", new("kv_last_page_len", offset=2), ValueError,
+     "kv_last_page_len"),
+    # page_size: a block size of cuattn's caches; max_blocks_per_seq: 0 <= n, n * page < 2**29
+    ("page_size-3", put(page_size=3), ValueError, "page_size"),
+    ("page_size-0", put(page_size=0), ValueError, "page_size"),
+    ("page_size-float", put(page_size=16.0), TypeError, "page_size"),
+    ("page_size-bool", put(page_size=True), TypeError, "page_size"),
+    ("page_size-None", put(page_size=None), TypeError, "page_size"),
+    ("max_blocks_per_seq-negative", put(max_blocks_per_seq=-1), ValueError,
+     "max_blocks_per_seq"),
+    ("max_blocks_per_seq-2**25-of-16", put(max_blocks_per_seq=2**25), ValueError,
+     "max_blocks_per_seq"),
+    ("max_blocks_per_seq-float", put(max_blocks_per_seq=4.0), TypeError, "max_blocks_per_seq"),
+    ("max_blocks_per_seq-str", put(max_blocks_per_seq="4"), TypeError, "max_blocks_per_seq"),
+    # out= (batch, max_blocks_per_seq) and out_seq_lens= (batch,): int32, contiguous rows
+    ("out-shape", new("out", shape=(2, 5), dtype=np.int32), ValueError, "out"),
+    ("out-rank", new("out", shape=(8,), dtype=np.int32), ValueError, "out"),
+    ("out-int64", new("out", shape=(2, 4), dtype=np.int64), TypeError, "out"),
+    ("out-strided", new("out", **_TABLE, strided=True), ValueError, "out"),
+    ("out-misaligned", new("out", **_TABLE, offset=2), ValueError, "out"),
+    ("out_seq_lens-shape", new("out_seq_lens", shape=(3,), dtype=np.int32), ValueError,
+     "out_seq_lens"),
+    ("out_seq_lens-float32", new("out_seq_lens", shape=(2,), dtype=np.float32), TypeError,
+     "out_seq_lens"),
+    ("out_seq_lens-strided", new("out_seq_lens", **_LENS, strided=True), ValueError,
+     "out_seq_lens"),
+    ("out_seq_lens-misaligned", new("out_seq_lens", **_LENS, offset=2), ValueError,
+     "out_seq_lens"),
+    ("stream-str", put(stream="default"), TypeError, "stream"),
+    # devices
+    *elsewhere("kv_indices", "kv_last_page_len"),
+    ("out-other-device", new("out", **_TABLE, device=1), ValueError, "out", TWO_GPUS),
+    ("out_seq_lens-other-device", new("out_seq_lens", **_LENS, device=1), ValueError,
+     "out_seq_lens", TWO_GPUS),
+)
+
+
 def _params(rows):
     return [pytest.param(r, id=f"{r.fn.__name__}-{r.id}") for r in rows]
 
@@ -907,3 +985,55 @@ def test_bad_input_without_a_device(row, monkeypatch):
     monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda *a: contextlib.nullcontext())
     monkeypatch.setattr(cupy.cuda, "Device", lambda *a: contextlib.nullcontext())
     call()
+
+
+# -- a valid call on a machine without a usable device ----------------------------------------
+
+def _nhd_paged(dtype, head_size):
+    """paged_kwargs over NHD caches of ``dtype`` at ``head_size``: fp8 and head size 120 run
+    on the flash form (docs/api.md, paged_attention's kv_layout)."""
+    def kwargs(mk):
+        shape = cuattn.paged_kv_cache_shapes(4, 2, head_size, 16, dtype, kv_layout="nhd")[0]
+        return {**paged_kwargs(mk), "kv_layout": "nhd", "q": mk.zeros((2, 4, head_size), BF16),
+                "k_cache": mk.zeros(shape, dtype), "v_cache": mk.zeros(shape, dtype)}
+    return kwargs
+
+
+def _no_tokens(mk):
+    return {**reshape_kwargs(mk), "key": mk.zeros((0, 2, 128), BF16),
+            "value": mk.zeros((0, 2, 128), BF16), "slot_mapping": mk.zeros((0,), np.int32)}
+
+
+VALID_CALLS = [
+    (cuattn.flash_forward, flash_kwargs, "plain"),
+    (cuattn.flash_varlen_forward, varlen_kwargs, "plain"),
+    (cuattn.merge_attn_states, merge_kwargs, "plain"),
+    (cuattn.merge_states, merge_states_kwargs, "plain"),
+    (cuattn.paged_attention, paged_kwargs, "plain"),
+    (cuattn.paged_attention, _nhd_paged(np.uint8, 128), "nhd-fp8"),
+    (cuattn.paged_attention, _nhd_paged(BF16, 120), "nhd-head_size-120"),
+    (cuattn.paged_prefill, prefill_kwargs, "plain"),
+    (cuattn.reshape_and_cache, reshape_kwargs, "plain"),
+    (cuattn.reshape_and_cache, _no_tokens, "no-tokens"),   # a plan that launches nothing
+    (cuattn.block_tables_from_flashinfer, flashinfer_kwargs, "plain"),
+    (cuattn.block_tables_from_flashinfer,
+     lambda mk: {**flashinfer_kwargs(mk), "out": mk.zeros((2, 4), np.int32),
+                 "out_seq_lens": mk.zeros((2,), np.int32)}, "out"),
+]
+
+
+def test_every_public_function_has_a_valid_call():
+    touching = set(cuattn.__all__) - {"__version__", "paged_kv_cache_shapes"}  # (no device)
+    assert {fn.__name__ for fn, _, _ in VALID_CALLS} == touching
+
+
+@pytest.mark.skipif(_has_gpu(), reason="this machine has a GPU")
+@pytest.mark.parametrize("fn,valid", [pytest.param(fn, valid, id=f"{fn.__name__}-{name}")
+                                      for fn, valid, name in VALID_CALLS])
+def test_valid_call_without_a_device_is_one_device_error(fn, valid):
+    """Past its checks, a call's first touch of the device raises cuattn's DeviceError, one
+    line with no CUDA error chained, not CUDA's own (cudaErrorInsufficientDriver)."""
+    from cuattn.jit import DeviceError
+    with pytest.raises(DeviceError, match=r"^cuattn: no usable CUDA device 0: ") as caught:
+        fn(**valid(Arrays(real=False)))
+    assert "\n" not in str(caught.value) and caught.value.__suppress_context__

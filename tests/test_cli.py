@@ -111,10 +111,16 @@ def test_cli_precompile_into_unwritable_cache_fails(tmp_path, monkeypatch, capsy
     assert str(blocker / "cache") in err
 
 
-def test_cli_cache_list_says_when_empty(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("action", [("list",), ()], ids=["list", "no-action"])
+def test_cli_cache_list_says_when_empty(action, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("CUATTN_CACHE_DIR", str(tmp_path / "never_made"))
-    rc, out, _ = _main(capsys, "cache", "list")
+    rc, out, _ = _main(capsys, "cache", *action)       # cache alone lists
     assert rc == 0 and out.strip() == f"no kernels in {tmp_path / 'never_made'}"
+
+
+def test_cli_cache_unknown_action_names_the_actions(capsys):
+    rc, _, err = _main(capsys, "cache", "purge")
+    assert rc == 2 and len(err.splitlines()) == 1 and "'list', 'clear'" in err
 
 
 @pytest.mark.parametrize("command", [(), ("precompile",), ("cache",), ("info",)])

@@ -1,9 +1,11 @@
-"""The documentation against the code: README.md's Python blocks and docs/api.md.
+"""The documentation against the code: README.md's Python blocks, docs/api.md, and the
+facts of README.md and docs/ARCHITECTURE.md that the code can change.
 
 A ```python block whose first line is ``# signature`` shows a function's signature: it is
 not run, but each ``cuattn.<name>(...)`` in it must have exactly the parameters (names,
 kinds, defaults) of the real function. Every other ```python block of the README must run
-as written: it compiles everywhere, and runs on a GPU.
+as written: it compiles everywhere, and runs on a GPU. A number in the docs that the code
+decides (a struct's size, a count of variants) is either checked here or not written.
 """
 from __future__ import annotations
 
@@ -18,21 +20,23 @@ import cuattn
 REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"
 API = REPO / "docs" / "api.md"
+ARCHITECTURE = REPO / "docs" / "ARCHITECTURE.md"
 SIGNATURE = "# signature"
 PUBLIC = sorted(name for name in cuattn.__all__ if inspect.isfunction(getattr(cuattn, name)))
 
 _BLOCK_RE = re.compile(r"^```(\w*)\n(.*?)^```", re.MULTILINE | re.DOTALL)
 
 
-def python_blocks(path: Path) -> list[tuple[str, str]]:
-    """[("<file>:<line>", source)] of every ```python block of a Markdown file."""
+def code_blocks(path: Path, language: str = "python") -> list[tuple[str, str]]:
+    """[("<file>:<line>", source)] of every ```<language> block of a Markdown file ("": the
+    blocks that name none)."""
     text = path.read_text()
     return [(f"{path.name}:{text.count(chr(10), 0, m.start()) + 1}", m.group(2))
-            for m in _BLOCK_RE.finditer(text) if m.group(1) == "python"]
+            for m in _BLOCK_RE.finditer(text) if m.group(1) == language]
 
 
 def runnable(path: Path) -> list[tuple[str, str]]:
-    return [(where, src) for where, src in python_blocks(path)
+    return [(where, src) for where, src in code_blocks(path)
             if not src.startswith(SIGNATURE + "\n")]
 
 
@@ -64,7 +68,7 @@ def test_readme_python_blocks_compile():
 
 @pytest.mark.parametrize("path", [README, API], ids=lambda p: p.name)
 def test_signature_blocks_match_the_code(path):
-    blocks = [(w, s) for w, s in python_blocks(path) if s.startswith(SIGNATURE + "\n")]
+    blocks = [(w, s) for w, s in code_blocks(path) if s.startswith(SIGNATURE + "\n")]
     seen = set()
     for where, src in blocks:
         for name, sig in documented_signatures(src):
@@ -103,3 +107,73 @@ def test_readme_python_blocks_run(where, src):
             if module == "jax" and not any(d.platform == "gpu" for d in lib.devices()):
                 pytest.skip("jax has no GPU backend")
     exec(compile(src, where, "exec"), {"__name__": "__readme__"})
+
+
+# -- facts the code can change ----------------------------------------------------------------
+
+def test_architecture_shows_a_real_generated_source():
+    """The example translation unit of docs/ARCHITECTURE.md is key.source() of the shipped
+    variant it names: every line shown (less a trailing ``// comment``; ``...`` elides)
+    stands in the real source, in order."""
+    from cuattn import variants
+    (where, block), = [(w, b) for w, b in code_blocks(ARCHITECTURE, "") if 'extern "C"' in b]
+    name = re.search(r"^(cuattn_\w+)\(", block, re.MULTILINE).group(1)
+    shipped = {v.name: v for arch in ("sm_80", "sm_90") for v in variants.shipped(arch=arch)}
+    assert name in shipped, f"{where}: {name} is not a shipped variant"
+    real = iter(shipped[name].source().splitlines())
+    for line in block.splitlines():
+        code = re.sub(r"\s+//.*$", "", line)
+        if code.strip() != "...":
+            assert any(code == r for r in real), f"{where}: not in {name}'s source: {code}"
+
+
+def test_architecture_names_every_variant_and_params_struct():
+    from cuattn import variants
+    from tests.test_jit import _all_variant_classes
+    text = ARCHITECTURE.read_text()
+    mirrors = {name: p for name, p in vars(variants).items() if name.endswith("_PARAMS")}
+    names = [c.__name__ for c in _all_variant_classes()] + list(mirrors) + \
+        [p.cpp_name for p in mirrors.values()]
+    assert [n for n in names if f"`{n}`" not in text] == []
+
+
+def test_allocation_rule_is_one_statement():
+    """README.md and docs/api.md say the same about what a call allocates."""
+    def statement(path):
+        found = re.search(r"allocates nothing but its outputs.*?CUDA graph\.",
+                          " ".join(path.read_text().split()))
+        assert found, f"{path.name}: no statement of what a call allocates"
+        return found.group(0)
+    assert statement(README) == statement(API)
+
+
+def test_readme_shipped_set_count_is_the_codes():
+    """The measured precompile of the shipped set names its size: when the set changes, the
+    measurement is stale."""
+    from cuattn import variants
+    found = re.search(r"precompile --arch sm_90` into an empty cache builds its (\d+) variants",
+                      " ".join(README.read_text().split()))
+    assert found, "README.md: the shipped set's measurement sentence moved"
+    documented, shipped = int(found.group(1)), len(variants.shipped(arch="sm_90"))
+    assert documented == shipped, (
+        f"README.md measured {documented} shipped variants, the code ships {shipped}: "
+        "re-measure into an empty cache (CUATTN_CACHE_DIR=$(mktemp -d) time python -m cuattn "
+        "precompile --arch sm_90; du -sh the directory) and update the sentence")
+
+
+def test_cuda13_install_line_lists_every_dependency():
+    """README's CUDA 13 route installs with --no-deps, so its pip line must name every
+    dependency of pyproject.toml and of the [test] extra (CUDA 12 wheels by their CUDA 13
+    names): a missing `build` once failed the wheel test with "No module named build"."""
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    cuda13 = {"cupy-cuda12x": "cupy-cuda13x", "nvidia-cuda-nvrtc-cu12": "nvidia-cuda-nvrtc",
+              "nvidia-cuda-runtime-cu12": "nvidia-cuda-runtime"}
+    needed = [re.match(r"[\w.-]+", d).group(0)
+              for d in project["dependencies"] + project["optional-dependencies"]["test"]]
+    text = README.read_text()
+    line = re.search(r"pip install cupy-cuda13x(.*?)\npip install --no-deps", text, re.DOTALL)
+    assert line, "README.md: the CUDA 13 install lines moved"
+    listed = {re.match(r'"?([\w.-]+)', w).group(1) for w in line.group(1).split() if w != "\\"}
+    listed.add("cupy-cuda13x")
+    assert [cuda13.get(n, n) for n in needed if cuda13.get(n, n) not in listed] == []

@@ -1,5 +1,6 @@
-"""Randomized differential testing (issue 5): every public function against its float64 NumPy
-reference over N random cases (N = CUATTN_FUZZ_CASES, default 300).
+"""Randomized differential testing (issue 5): every attention, merge and cache-writing public
+function against its float64 NumPy reference over N random cases (N = CUATTN_FUZZ_CASES,
+default 300; block_tables_from_flashinfer's random tables: tests/test_flashinfer_tables.py).
 
 Each test takes a base seed (CUATTN_TEST_SEED, else fresh entropy; printed first) and gives
 every case its own generator from (base seed, function, case index). A failing test lists

@@ -31,11 +31,11 @@ E4M3_NAN = 0x7F
 
 # -- CPU --------------------------------------------------------------------------------------
 
-def _odd_variants():
+def _odd_variants(head_sizes=HEAD_SIZES):
     """Outside the shipped set: every head size, block sizes 8 / 32, fp8, ALiBi, GQA 8, both
     forms (the shipped set is compiled by tests/test_jit.py)."""
     out = []
-    for hs in HEAD_SIZES:
+    for hs in head_sizes:
         out.append(tuning.paged_simt_variant("bf16", "bf16", hs, 32, 8, 512, True))
         out.append(tuning.paged_simt_variant("f16", "f16", hs, 8, 2, 0, False))
         if hs % 16 == 0:
@@ -48,8 +48,14 @@ def _odd_variants():
     return out
 
 
+@pytest.mark.slow
 def test_odd_variants_compile_for_sm90_without_spills_or_stack():
     assert unclean(compile_reports(_odd_variants(), "sm_90")) == []
+
+
+def test_a_few_odd_variants_compile_for_sm90_without_spills_or_stack():
+    """Head size 120 (CUDA-core form only) and the largest."""
+    assert unclean(compile_reports(_odd_variants((120, max(HEAD_SIZES))), "sm_90")) == []
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_86", "sm_89"])

@@ -1,8 +1,9 @@
 """paged_prefill, the NHD cache layout, and the hooks (softcap, ALiBi, sinks, windows) of the
 attention functions.
 
-CPU: every reachable paged_prefill form and every hooked flash form compiles without spills;
-the tile rule; the NHD shapes. GPU (marker ``gpu``; the flash form's NHD calls on both flash
+CPU: every reachable paged_prefill form and every hooked flash form compiles without spills
+(marker slow; the default run compiles the lightest and heaviest of each sweep:
+tests/compiled.py); the tile rule; the NHD shapes. GPU (marker ``gpu``; the flash form's NHD calls on both flash
 kernels, tests/paths.py): a float64 NumPy reference
 (tests/reference.py attention_reference) over K/V gathered token by token through the block
 table by plain indexing of the documented layouts, independent of the library's layout
@@ -32,34 +33,58 @@ ALL_HOOKS = FEAT_SOFTCAP | FEAT_ALIBI | FEAT_SINKS
 
 # -- CPU --------------------------------------------------------------------------------------
 
-def _prefill_forms():
+# The lightest and the heaviest (mask, split, features) of a sweep: what the default run
+# compiles of it (tests/compiled.py).
+EXTREMES = ((MASK_NONE, False, 0), (MASK_CAUSAL, True, ALL_HOOKS))
+
+
+def _prefill_forms(head_sizes=(64, 80, 128, 192, 256), extremes_only=False):
     """The two outer tile classes (few rows, long chunks) x layout x mask x split, plain and
     hooked, at head sizes 64, 80, 128, 192, 256; the classes between them (32 and 64 rows)
     in their lightest and heaviest forms only (CI's compile time)."""
     every = [(mask, split, f) for mask, split in ((0, False), (1, False), (2, False), (1, True))
              for f in (0, ALL_HOOKS)]
-    extremes = [(0, False, 0), (1, True, ALL_HOOKS)]
     out = []
-    for hs in (64, 80, 128, 192, 256):
+    for hs in head_sizes:
         for kv in (KV_PAGED_NHD, KV_PAGED_VLLM):
             for rows in (8, 32, 64, 2048):
-                for mask, split, features in every if rows in (8, 2048) else extremes:
+                if extremes_only and rows not in (8, 2048):
+                    continue
+                for mask, split, features in (every if rows in (8, 2048) and not extremes_only
+                                              else EXTREMES):
                     out.append(tuning.paged_prefill_variant(
                         "bf16", hs, mask=mask, split=split, arch="sm_90", kv=kv,
                         features=features, rows=rows))
     return list(dict.fromkeys(out))
 
 
+@pytest.mark.slow
 def test_prefill_forms_compile_for_sm90_without_spills():
     assert unclean(compile_reports(_prefill_forms(), "sm_90")) == []
 
 
+def test_a_few_prefill_forms_compile_for_sm90_without_spills():
+    forms = _prefill_forms((80, 256), extremes_only=True)
+    assert unclean(compile_reports(forms, "sm_90")) == []
+
+
+def _hooked_flash_forms(head_dims=tuning.FLASH_HEAD_DIMS, masks=(0, 1, 2), splits=(False, True)):
+    return list(dict.fromkeys(
+        tuning.flash_forward_variant("bf16", hd, mask=mask, split=split, arch="sm_90",
+                                     features=f)
+        for hd in head_dims for mask in masks for split in splits
+        for f in (FEAT_SOFTCAP, FEAT_ALIBI | FEAT_SINKS)))
+
+
+@pytest.mark.slow
 def test_hooked_flash_forms_compile_for_sm90_without_spills():
-    forms = [tuning.flash_forward_variant("bf16", hd, mask=mask, split=split, arch="sm_90",
-                                          features=f)
-             for hd in tuning.FLASH_HEAD_DIMS for mask in (0, 1, 2) for split in (False, True)
-             for f in (FEAT_SOFTCAP, FEAT_ALIBI | FEAT_SINKS)]
-    assert unclean(compile_reports(list(dict.fromkeys(forms)), "sm_90")) == []
+    assert unclean(compile_reports(_hooked_flash_forms(), "sm_90")) == []
+
+
+def test_a_few_hooked_flash_forms_compile_for_sm90_without_spills():
+    forms = _hooked_flash_forms((max(tuning.FLASH_HEAD_DIMS),), masks=(MASK_WINDOW,),
+                                splits=(True,))
+    assert unclean(compile_reports(forms, "sm_90")) == []
 
 
 def test_prefill_tile_rule():
@@ -74,30 +99,46 @@ def test_prefill_tile_rule():
     assert wide.block_n >= 32   # vLLM's V tile: rows of >= 4 chunks
 
 
-def test_fp8_forms_compile_for_sm90():
+def _fp8_forms(head_sizes=(64, 128, 256), forms=((1, False, 0), (1, False, ALL_HOOKS),
+                                                  (2, True, 0), (2, True, ALL_HOOKS))):
     """fp8 caches (the flash form with its widening pass) in both layouts, few and many rows,
-    plain and hooked. (Some spill 4-72 B: bench/NOTES.md; correctness is the GPU tests'.)"""
-    forms = [tuning.paged_prefill_variant("bf16", hs, mask=mask, split=split, arch="sm_90",
-                                          kv=kv, features=f, rows=rows, fp8=True)
-             for hs in (64, 128, 256) for kv in (KV_PAGED_NHD, KV_PAGED_VLLM)
-             for rows in (8, 2048) for mask, split in ((1, False), (2, True))
-             for f in (0, ALL_HOOKS)]
-    reports = compile_reports(list(dict.fromkeys(forms)), "sm_90")
+    plain and hooked."""
+    return list(dict.fromkeys(
+        tuning.paged_prefill_variant("bf16", hs, mask=mask, split=split, arch="sm_90", kv=kv,
+                                     features=f, rows=rows, fp8=True)
+        for hs in head_sizes for kv in (KV_PAGED_NHD, KV_PAGED_VLLM) for rows in (8, 2048)
+        for mask, split, f in forms))
+
+
+def _check_fp8(forms) -> None:
+    """(Some spill 4-72 B: bench/NOTES.md; correctness is the GPU tests'.)"""
+    reports = compile_reports(forms, "sm_90")
     assert all(v.fp8 and "e4m3" in v.name and r.registers <= 255 for v, r in reports)
 
 
-def _few_token_forms():
+@pytest.mark.slow
+def test_fp8_forms_compile_for_sm90():
+    _check_fp8(_fp8_forms())
+
+
+def test_a_few_fp8_forms_compile_for_sm90():
+    _check_fp8(_fp8_forms((256,), forms=((2, True, ALL_HOOKS),)))
+
+
+def _few_token_forms(head_sizes=(64, 80, 96, 128, 192, 256), gqas=(4, 6), max_qs=(2, 8, 16),
+                     partitions=(0, 512),
+                     # NHD differs in the loads only: plain vLLM, hooked vLLM, hooked NHD
+                     layouts=((False, False), (False, True), (True, True))):
     """Multi-token decode (paged_prefill's few-token form) at every head size, over GQA
     ratios whose groups are odd, even and cut down to fit the tokens: v1 and v2; vLLM's
     layout plain and with every hook, NHD with every hook."""
     out = []
-    for hs in (64, 80, 96, 128, 192, 256):
-        for gqa in (4, 6):
-            for max_q in (2, 8, 16):
+    for hs in head_sizes:
+        for gqa in gqas:
+            for max_q in max_qs:
                 tokens, group = tuning.paged_multi_token(hs, gqa, max_q)
-                for ps in (0, 512):
-                    # NHD differs in the loads only: plain vLLM, hooked vLLM, hooked NHD
-                    for nhd, hooks in ((False, False), (False, True), (True, True)):
+                for ps in partitions:
+                    for nhd, hooks in layouts:
                         out.append(tuning.paged_mma_variant(
                             "bf16", hs, 16, group, ps, hooks, softcap=hooks, sinks=hooks,
                             nhd=nhd, tokens=tokens))
@@ -112,18 +153,33 @@ _PAGED_MASKS = {KV_PAGED_NHD: ((MASK_NONE, False), (MASK_CAUSAL, False), (MASK_W
                 KV_PAGED_VLLM: ((MASK_CAUSAL, False), (MASK_WINDOW, True))}
 
 
+def _hopper_paged_forms(kv, head_dims=sorted(tuning.FLASH_SM90_TILES), forms=None):
+    """The Hopper kernel's paged (TMA) forms long chunks reach, for a layout: its masks
+    (_PAGED_MASKS), plain and every hook, at the head dims of its tile table, and the
+    short causal tiles (``forms``: those (mask, split, features) instead)."""
+    forms = forms or [(mask, split, f) for mask, split in _PAGED_MASKS[kv] for f in (0, ALL_HOOKS)]
+    out = [tuning.flash_sm90_variant("bf16", hd, mask=mask, split=split, features=f, tma=True,
+                                     seqlen_q=2048, kv=kv)
+           for hd in head_dims for mask, split, f in forms]
+    out += [tuning.flash_sm90_variant("bf16", 64, mask=MASK_CAUSAL, split=False, tma=True,
+                                      seqlen_q=64, kv=kv)]     # short causal tiles
+    return list(dict.fromkeys(out))
+
+
+_LAYOUTS = [(KV_PAGED_NHD, "_nhd"), (KV_PAGED_VLLM, "_vllm")]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("kv,name", [(KV_PAGED_NHD, "_nhd"), (KV_PAGED_VLLM, "_vllm")])
+@pytest.mark.parametrize("kv,name", _LAYOUTS)
 def test_hopper_paged_forms_compile_for_sm90a_without_spills(kv, name):
-    """The Hopper kernel's paged (TMA) forms long chunks reach, for each layout: its masks
-    (_PAGED_MASKS), plain and every hook, at the head dims of its tile table."""
-    forms = [tuning.flash_sm90_variant("bf16", hd, mask=mask, split=split, features=f,
-                                       tma=True, seqlen_q=2048, kv=kv)
-             for hd in sorted(tuning.FLASH_SM90_TILES) for mask, split in _PAGED_MASKS[kv]
-             for f in (0, ALL_HOOKS)]
-    forms += [tuning.flash_sm90_variant("bf16", 64, mask=MASK_CAUSAL, split=False, tma=True,
-                                        seqlen_q=64, kv=kv)]     # short causal tiles
-    forms = list(dict.fromkeys(forms))
+    forms = _hopper_paged_forms(kv)
+    assert all(v.kv == kv and name in v.name for v in forms)
+    assert unclean(compile_reports(forms, "sm_90")) == []
+
+
+@pytest.mark.parametrize("kv,name", _LAYOUTS)
+def test_a_few_hopper_paged_forms_compile_for_sm90a_without_spills(kv, name):
+    forms = _hopper_paged_forms(kv, (max(tuning.FLASH_SM90_TILES),), forms=EXTREMES)
     assert all(v.kv == kv and name in v.name for v in forms)
     assert unclean(compile_reports(forms, "sm_90")) == []
 
@@ -148,8 +204,15 @@ def test_hopper_paged_prefill_rule():
             ((128, 16), (128, 256), (80, 64), (48, 8), (64, 64))] == [16, 128, 16, 8, 64]
 
 
+@pytest.mark.slow
 def test_few_token_forms_compile_for_sm90_without_spills():
     assert unclean(compile_reports(_few_token_forms(), "sm_90")) == []
+
+
+def test_a_few_few_token_forms_compile_for_sm90_without_spills():
+    forms = _few_token_forms((80, 256), gqas=(6,), max_qs=(16,), partitions=(512,),
+                             layouts=((False, False), (True, True)))
+    assert unclean(compile_reports(forms, "sm_90")) == []
 
 
 def test_few_token_rule():

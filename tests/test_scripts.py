@@ -24,3 +24,31 @@ def test_the_sanitizer_suite_names_existing_tests():
     for test_id in ids:
         assert any(line == test_id or line.startswith((test_id + "::", test_id + "["))
                    for line in collected), test_id
+
+
+# -- bench/run.py ------------------------------------------------------------------------------
+
+def test_bench_refuses_an_unknown_suite_and_lists_them(capsys):
+    import pytest
+
+    from bench import run
+    with pytest.raises(SystemExit) as done:
+        run.main(["--suite", "foo"])
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and "invalid choice: 'foo'" in err
+    assert all(f"'{suite}'" in err for suite in run.SUITES)
+
+
+def test_bench_without_a_gpu_precompiles_and_says_what_next(monkeypatch, capsys):
+    """The precompile itself is tests/test_cli.py's: a stand-in records its command line."""
+    import cuattn.__main__
+    from bench import run
+    from cuattn.jit import cache
+    called = []
+    monkeypatch.setattr(run, "_has_gpu", lambda: False)
+    monkeypatch.setattr(cuattn.__main__, "main", lambda argv: called.append(argv) or 0)
+    assert run.main(["--arch", "sm_86"]) == 0
+    out = capsys.readouterr().out
+    assert called == [["precompile", "--arch", "sm_86"]]
+    assert "precompile --arch sm_86" in out and "..." not in out
+    assert str(cache.cache_dir()) in out and "python bench/run.py" in out

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import functools
 
-import cupy
 import numpy as np
 
 from .. import _arrays as A
 from .. import tuning
 from .._dtypes import activation_dtype
 from .._hooks import check_hooks, hook_fields
-from .._launch import NULL, Launch, Plan, execute, plan_cache, plan_for, returns
+from .._launch import (NULL, Launch, Plan, execute, on_device, plan_cache, plan_for,
+                       returns)
 from ..jit import get_kernel
 from ..variants import FEAT_ALIBI, FEAT_SINKS, FEAT_SOFTCAP, PAGED_PARAMS, PAGED_REDUCE_PARAMS
 from .forms import form_for
@@ -164,7 +164,7 @@ def _plan(arrays, softmax_scale, k_scale, v_scale, softcap, window_size, kv_layo
     common = dict(device_id=device_id, align=align, outputs=outputs, result=result)
 
     form = form_for(info.cache, head_size, group, nhd=hooks["nhd"])
-    with cupy.cuda.Device(device_id):
+    with on_device(device_id):
         v1_key = form.variant(dtype.short, info.cache, head_size, info.block_size, group, 0, alibi,
                               **hooks)
         version, partition_size = form.choose(version, partition_size,

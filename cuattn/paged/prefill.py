@@ -17,14 +17,13 @@ inside the arrays (seq_lens, block_tables, cu_seqlens_q) are never read on the h
 """
 from __future__ import annotations
 
-import cupy
 import numpy as np
 
 from .. import _arrays as A
 from .. import _tma, tuning
 from .._dtypes import activation_dtype
 from .._hooks import check_hooks, hook_fields
-from .._launch import NULL, Plan, execute, plan_cache, plan_for, returns
+from .._launch import NULL, Plan, execute, on_device, plan_cache, plan_for, returns
 from ..flash import _MAX_GRID_YZ, Call, _check_cu_seqlens, _check_options
 from ..flash import _plan as flash_plan
 from ..jit import device_info
@@ -246,7 +245,7 @@ def _decode_plan(q, info, block_tables, num_seqs, max_seqlen_q, dtype, features,
         max_blocks_per_seq=block_tables.shape[1], out_stride_seq=o_row, out_stride_head=o_head,
         lse_stride_head=l_head, lse_stride_seq=l_row)
     inputs = tuple(slots.arg(i) for i in (0, 1, 2, 3, 4, 6, 7, 5))
-    with cupy.cuda.Device(device_id):
+    with on_device(device_id):
         v1 = form.v1_launch(key_for(0), max_context, device_id) if version == "v1" else None
         return Plan(**common, **decode_launches(
             form, key_for, version, partition_size, v1, grid=grid, rows=total_q,

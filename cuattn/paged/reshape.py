@@ -5,13 +5,12 @@ once per call signature.
 """
 from __future__ import annotations
 
-import cupy
 import numpy as np
 
 from .. import _arrays as A
 from .. import tuning
 from .._dtypes import activation_dtype
-from .._launch import Launch, Plan, Slots, execute, plan_cache, plan_for
+from .._launch import Launch, Plan, Slots, execute, on_device, plan_cache, plan_for
 from ..jit import get_kernel
 from ..variants import RESHAPE_PARAMS
 from .layout import HEAD_SIZES, check_caches, check_layout, check_scale
@@ -69,7 +68,7 @@ def _plan(arrays, k_scale, v_scale, kv_layout) -> Plan:
     if num_tokens == 0:
         return Plan(**common)
     variant = tuning.reshape_variant(dtype.short, info.cache, slot_mapping.dtype == np.int64)
-    with cupy.cuda.Device(device_id):
+    with on_device(device_id):
         kernel = get_kernel(variant, device_id)
     ks, vs = A.element_strides(key), A.element_strides(value)
     tail = RESHAPE_PARAMS.tail(
