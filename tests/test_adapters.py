@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_docs import API, SIGNATURE, _parameters, python_blocks
+from tests.test_docs import API, SIGNATURE, _parameters, code_blocks
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -60,7 +60,7 @@ def _adapter_signatures():
     """(module, name, documented signature) of every cuattn.jax / cuattn.torch call in
     docs/api.md's signature blocks."""
     found = []
-    for where, src in python_blocks(API):
+    for where, src in code_blocks(API):
         if not src.startswith(SIGNATURE + "\n"):
             continue
         code = "\n".join(line.split("#", 1)[0] for line in src.splitlines())

@@ -1007,6 +1007,8 @@ def _no_tokens(mk):
 VALID_CALLS = [
     (cuattn.flash_forward, flash_kwargs, "plain"),
     (cuattn.flash_varlen_forward, varlen_kwargs, "plain"),
+    (cuattn.flash_backward, bwd_kwargs, "plain"),
+    (cuattn.flash_varlen_backward, bwd_varlen_kwargs, "plain"),
     (cuattn.merge_attn_states, merge_kwargs, "plain"),
     (cuattn.merge_states, merge_states_kwargs, "plain"),
     (cuattn.paged_attention, paged_kwargs, "plain"),
