@@ -18,6 +18,8 @@ dir=$2
 mkdir -p "$dir"
 rm -rf "$dir/cuattn_old" "$dir/cuda_src" "$dir/cuattn"
 git archive --format=tar "$commit" cuattn cuda_src | tar -x -C "$dir"
+# (the optional framework adapters import cuattn by name and play no part in an A/B)
+rm -f "$dir/cuattn/jax.py" "$dir/cuattn/torch.py"
 mv "$dir/cuattn" "$dir/cuattn_old"
 echo "$commit" > "$dir/COMMIT"
 
