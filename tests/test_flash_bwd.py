@@ -156,14 +156,15 @@ def _floor(dtype):
     return 2e-3 if np.dtype(dtype) == F16 else 1e-2
 
 
-def check_grads(got, want, lowp, dtype, what=""):
+def check_grads(got, want, lowp, dtype, what="", slack=0.0):
     """FlashAttention's backward rule for one gradient: max |got - ref64| <= 3 max |ref_lowp -
-    ref64| + floor, relative to the gradient's scale; no NaN anywhere."""
+    ref64| + floor, relative to the gradient's scale (+ slack: an error the reference does not
+    model, tests/test_fuzz.py's softcap bound); no NaN anywhere."""
     g = got.get().astype(np.float64) if hasattr(got, "get") else np.asarray(got, np.float64)
     assert np.isfinite(g).all(), f"{what}: NaN/inf (an unwritten element, or a bad row)"
     err = np.abs(g - want).max(initial=0)
     err_lp = np.abs(lowp - want).max(initial=0)
-    tol = 3 * err_lp + _floor(dtype) * max(1.0, np.abs(want).max(initial=0))
+    tol = 3 * err_lp + _floor(dtype) * max(1.0, np.abs(want).max(initial=0)) + slack
     assert err <= tol, f"{what}: max error {err:.3g} > {tol:.3g} (lowp ref {err_lp:.3g})"
 
 
