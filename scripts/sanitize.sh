@@ -47,7 +47,10 @@ command -v "$cs" > /dev/null || { echo "sanitize.sh: $cs not found (set COMPUTE_
 # long chunks of both layouts on the Hopper kernel; the few-token form v1 and v2, hooks and
 # windows, 3 n-tiles; fp8 caches in both layouts), NHD reshape_and_cache, the hooks on flash
 # (softcap alone too: the Hopper kernel's ping-pong and raw-max paths) and on both decode
-# forms (v1 and v2, NHD block sizes 1 and 256, windows).
+# forms (v1 and v2, NHD block sizes 1 and 256, windows); the backward: its pre-pass, main kernel
+# one-pass (hd 64) and two-pass (hd 192 / 256) in each mask form (none, causal with rows that
+# see no key, a window), every hook in both, varlen with empty sequences, dQ convert of one and
+# of three (deterministic) dQ slices, the sinks' gradient.
 reduced="tests/test_merge.py
  tests/test_flash.py::test_small_against_numpy_float64
  tests/test_flash.py::test_seqlen_k_zero_and_no_key_rows
@@ -120,8 +123,17 @@ reduced="tests/test_merge.py
  tests/test_prefill.py::test_decode_hooks_windows_and_layouts[window1-v2-softcap+alibi+sinks-nhd-1-mma]
  tests/test_prefill.py::test_decode_hooks_windows_and_layouts[window1-v1-softcap+alibi+sinks-vllm-8-simt]
  tests/test_prefill.py::test_decode_hooks_windows_and_layouts[window1-v2-softcap+alibi+sinks-vllm-8-simt]
+<<<<<<< HEAD
  tests/test_flashinfer_tables.py::test_matches_numpy[300-256-300]
  tests/test_flashinfer_tables.py::test_writes_into_row_strided_out_buffers_and_nothing_else"
+=======
+ tests/test_flash_bwd.py::test_bwd_sweep[d64-97x131-nc]
+ tests/test_flash_bwd.py::test_bwd_sweep[d192-97x131-nc]
+ tests/test_flash_bwd.py::test_bwd_rows_that_see_no_key_get_zero_gradients
+ tests/test_flash_bwd.py::test_bwd_features[7-256]
+ tests/test_flash_bwd.py::test_bwd_varlen_every_kernel[64]
+ tests/test_flash_bwd.py::test_bwd_varlen_every_kernel[192]"
+>>>>>>> fuzzbwd
 pytest=(python3 -m pytest -q -m gpu -p no:cacheprovider)
 
 summarize() {   # $1 name, $2 exit code, $3 log -> one line on stdout and in the summary file

@@ -99,7 +99,7 @@ def attention_reference(q, k, v, scale, *, causal=False, window=(-1, -1), softca
 
 
 def attention_backward_reference(q, k, v, dout, scale, *, causal=False, window=(-1, -1),
-                                 softcap=0.0, alibi=None, sinks=None, lowp=None):
+                                 softcap=0.0, alibi=None, sinks=None, lowp=None, tanh=np.tanh):
     """Float64 gradients of attention_reference's out for one sequence: (dq, dk, dv, dsinks).
 
     q, dout (sq, H, D); k, v (sk, Hkv, D); dk / dv of a KV head sum its query heads; dsinks
@@ -109,7 +109,8 @@ def attention_backward_reference(q, k, v, dout, scale, *, causal=False, window=(
     D_i = sum_j P_ij dP_ij = rowsum(dO * out), dZ = P (dP - D), dS = dZ (1 - tanh^2),
     dQ = scale dS K, dK = scale dS^T Q, dsink_h = -sum_i P_sink(i) D_i.
     lowp (a NumPy dtype): the same math with every intermediate rounded to it (the error
-    of doing it in the input precision: FlashAttention's tolerance rule).
+    of doing it in the input precision: FlashAttention's tolerance rule). tanh: a CPU
+    self-test's stand-in for the kernels' approximate one (tests/test_fuzz.py).
     """
     rnd = (lambda x: x) if lowp is None else (lambda x: _round_to(x, lowp))
     q, k, v, dout = (rnd(np.asarray(x, np.float64)) for x in (q, k, v, dout))
@@ -131,7 +132,7 @@ def attention_backward_reference(q, k, v, dout, scale, *, causal=False, window=(
     for h in range(nheads):
         kh, vh = k[:, h // group], v[:, h // group]
         s = rnd(scale * (q[:, h] @ kh.T))
-        t = np.tanh(s / softcap) if softcap > 0 else None
+        t = tanh(s / softcap) if softcap > 0 else None
         z = softcap * t if softcap > 0 else s
         if alibi is not None:
             z = z - float(alibi[h]) * np.abs(pos - j)

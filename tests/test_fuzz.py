@@ -1,6 +1,7 @@
-"""Randomized differential testing (issue 5): every attention, merge and cache-writing public
-function against its float64 NumPy reference over N random cases (N = CUATTN_FUZZ_CASES,
-default 300; block_tables_from_flashinfer's random tables: tests/test_flashinfer_tables.py).
+"""Randomized differential testing (issues 5, 33): every attention, gradient, merge and
+cache-writing public function against its float64 NumPy reference over N random cases
+(N = CUATTN_FUZZ_CASES, default 300; block_tables_from_flashinfer's random tables:
+tests/test_flashinfer_tables.py).
 
 Each test takes a base seed (CUATTN_TEST_SEED, else fresh entropy; printed first) and gives
 every case its own generator from (base seed, function, case index). A failing test lists
@@ -18,11 +19,15 @@ attention cases carry the hooks (softcap, ALiBi slopes, sinks; for paged_attenti
 windows and the NHD layout); paged_prefill's cases mix both cache layouts, 16-bit and fp8
 caches, speculative and chunk-sized queries, shared prefixes and every hook, each paged cache
 holding NaN wherever a sequence must not read (past its length, unreferenced blocks, table
-entries past its end).
+entries past its end). flash_backward and flash_varlen_backward run the forward for out and
+lse, then check dq, dk, dv (and the sinks' gradient) of every sequence against the float64
+reference by test_flash_bwd's rule: GQA, windows, hooks, deterministic calls (which must
+repeat bit for bit), empty and one-token sequences, head dims 8 to 256, given dq= / dk= / dv=.
 
 CPU part: the generators, references and checks run against an oracle (the rounded
 reference must pass, a perturbed one must fail), and the default N cases of fixed seeds stay
-within the kernel-variant and host-work budgets below, so the GPU run stays well under 120 s.
+within the kernel-variant and host-work budgets below, so the GPU run of the forward-side
+tests stays well under 120 s and each backward test within about 60 s.
 """
 from __future__ import annotations
 
@@ -37,14 +42,16 @@ import numpy as np
 import pytest
 
 import cuattn
-from cuattn import paged, tuning
+from cuattn import paged, tuning, tuning_bwd
 from cuattn.paged.forms import form_for
 from cuattn.flash import _mask_and_bounds
 from cuattn.variants import FEAT_ALIBI, FEAT_SINKS, FEAT_SOFTCAP, KV_PAGED_NHD, KV_PAGED_VLLM
 from test_flash import _floor, _round, _visible, attention_ref
+from test_flash_bwd import check_grads
 from test_paged import E4M3, _cache_values, make_case, paged_reference
 from test_prefill import write_tokens
-from tests.reference import attention_reference, merge_reference, tolerance
+from tests.reference import attention_backward_reference, attention_reference, \
+    merge_reference, tolerance
 
 N_CASES = int(os.environ.get("CUATTN_FUZZ_CASES", 300))
 DEFAULT_CASES = 300
@@ -53,7 +60,8 @@ DT = {"f16": np.dtype(np.float16), "bf16": np.dtype(ml_dtypes.bfloat16)}
 LN2 = math.log(2.0)
 EDGES = (1, 2, 15, 16, 17, 31, 63, 64, 65, 127, 128, 129, 255, 256, 257)
 FUNCS = ("flash_forward", "flash_varlen_forward", "merge_attn_states", "merge_states",
-         "paged_attention", "reshape_and_cache", "paged_prefill")
+         "paged_attention", "reshape_and_cache", "paged_prefill", "flash_backward",
+         "flash_varlen_backward")
 
 # Budgets at the default N (checked on the CPU for fixed seeds). Kernel variants per function
 # (flash_forward and flash_varlen_forward share theirs; bounded by construction: small sets of
@@ -70,16 +78,29 @@ FUNCS = ("flash_forward", "flash_varlen_forward", "merge_attn_states", "merge_st
 # (measured before the hooks and paged_prefill: flash 5-6.5 s per test, paged 5-7 s, merges ~1
 # s, reshape_and_cache ~2 s; ~20 s in all). With them the models give, for seeds 0-7: flash 4-9
 # s a test, paged_attention 7-13 s (its fp8 cases, now modelled at their cost), paged_prefill
-# 5.5-6.5 s; 28-36 s in all.
+# 5.5-6.5 s; 28-36 s in all. The backward (flash_backward and flash_varlen_backward share
+# their variants): at most 67, the forward's unsplit kernels that give out and lse (2 dtypes x
+# hd 64 / 128 x 3 masks, hd64 causal on both tile sets: 14; the palette's odd head dim and its
+# two-pass one: 3 + 3; 2 hook sets x 3 masks, hd64 causal twice: 8) and the backward's (main
+# kernel 2 x 2 x 3 + 3 + 3 + 2 sets of softcap / ALiBi x 3 masks = 24; pre-pass and dQ
+# convert of 7 (dtype, head dim) pairs = 14; the sinks' gradient, 1): 53-63 for seeds 0-7.
+# Its host model (work_bwd) is fitted to build_bwd + check_bwd of 1200 cases timed on the CPU
+# machine (the two float64 references per sequence and head: ~28 + 0.55 hd ns per score, ~90
+# more with the softcap bound): flash_backward 7-10.5 s, flash_varlen_backward 9.5-14 s;
+# 48-59 s in all with the others. The GPU run of each backward test: these seconds, compiles
+# (~60 variants, in parallel) and a few ms of device calls per case: well within 60 s.
 KERNEL_BUDGET = {"flash": 52, "paged_attention": 21, "merge_attn_states": 6,
-                 "merge_states": 6, "reshape_and_cache": 8, "paged_prefill": 170}
+                 "merge_states": 6, "reshape_and_cache": 8, "paged_prefill": 170,
+                 "flash_bwd": 67}
 HOST_S_BUDGET = {"flash_forward": 11, "flash_varlen_forward": 11, "merge_attn_states": 2,
                  "merge_states": 2, "paged_attention": 15, "reshape_and_cache": 3,
-                 "paged_prefill": 9}
-HOST_S_TOTAL = 45
+                 "paged_prefill": 9, "flash_backward": 14, "flash_varlen_backward": 17}
+HOST_S_TOTAL = 75
 # One flash case at most: 1.5e6 scores (batch x heads x sq x sk) and 4e6 elements of q + k + v;
+# one backward case 8e5 and 3e6 (its references cost about twice the forward's per score);
 # one paged_prefill case: 8e7 scores x head size and 3e6 elements of q and the caches' slots.
 CAPS = (1.5e6, 4e6)
+BWD_CAPS = (8e5, 3e6)
 PREFILL_CAPS = (8e7, 3e6)
 
 
@@ -219,15 +240,23 @@ def _rounded(x, dtype):
     return x.astype(DT[dtype]).astype(np.float64)
 
 
-def _perturbed(got):
-    """A wrong answer (for the CPU self-test): the largest element of out negated (or, if
-    small, moved by 1)."""
-    out = got["out"].copy()
+def _perturbed(got, key="out"):
+    """A wrong answer (for the CPU self-test): the largest element of got[key] negated (or,
+    if small, moved by 1)."""
+    out = got[key].copy()
     if out.size:
         j = int(np.abs(out.astype(np.float64)).argmax())
         x = float(out.flat[j])
         out.flat[j] = -x if abs(x) > 1 else x + 1
-    return dict(got, out=out)
+    return dict(got, **{key: out})
+
+
+def _wrong_answers(got, nonzero=False):
+    """One wrong answer per array a case's check compares (out; dq, dk, dv, dsinks) that has
+    an element (nonzero: one that is not 0)."""
+    return [_perturbed(got, k) for k in ("out", "dq", "dk", "dv", "dsinks")
+            if got.get(k) is not None and got[k].size and
+            (not nonzero or np.abs(got[k].astype(np.float32)).max() > 0)]
 
 
 # ---- hooks (softcap, ALiBi, sinks) -----------------------------------------------------------
@@ -332,6 +361,22 @@ def _attn_ref(q, k, v, causal, window, scale, dtype, softcap=0.0, alibi=None, si
     kf = np.ascontiguousarray(k.astype(np.float64).transpose(0, 2, 3, 1))   # (B, Hkv, D, Sk)
     vf = np.ascontiguousarray(v.astype(np.float64).transpose(0, 2, 1, 3))   # (B, Hkv, Sk, D)
     s = (qf @ kf).reshape(b, h, sq, sk) * scale
+    p, l, m, _, cap_max = _softmax_terms(s, causal, window, softcap, alibi, sinks, tanh)
+    empty, l1 = l == 0, np.where(l > 0, l, 1.0)
+
+    def pv(p):
+        o = (p.reshape(b, hkv, g * sq, sk) @ vf).reshape(b, h, sq, d) / l1
+        return np.where(empty, 0.0, o).transpose(0, 2, 1, 3)
+    lse = np.where(empty, -np.inf, m + np.log(l1))[..., 0]
+    return pv(p), _round(pv(_round(p, DT[dtype], np)), DT[dtype], np), lse, cap_max
+
+
+def _softmax_terms(s, causal, window, softcap=0.0, alibi=None, sinks=None, tanh=np.tanh):
+    """The hooks and the mask on scaled scores s (B, H, Sq, Sk) (softcap, then the ALiBi bias,
+    then -inf where masked) and their softmax's parts: exp(z - m), the row sums l (the sink's
+    term included), m, the sink's term exp(sink - m) (None without sinks) and the largest
+    |capped score| a row sees (0 without softcap)."""
+    sq, sk = s.shape[-2:]
     visible = _visible(np, sq, sk, causal, window)
     cap_max = 0.0
     if softcap > 0:
@@ -342,6 +387,7 @@ def _attn_ref(q, k, v, causal, window, scale, dtype, softcap=0.0, alibi=None, si
         s -= np.asarray(alibi, np.float64)[None, :, None, None] * dist
     s[:, :, ~visible] = -np.inf
     m = s.max(axis=-1, keepdims=True, initial=-np.inf)
+    sink = None
     if sinks is not None:
         sink = np.asarray(sinks, np.float64)[None, :, None, None]
         m = np.maximum(m, sink)
@@ -349,14 +395,9 @@ def _attn_ref(q, k, v, causal, window, scale, dtype, softcap=0.0, alibi=None, si
     p = np.exp(s - m)
     l = p.sum(axis=-1, keepdims=True)
     if sinks is not None:
-        l = l + np.exp(sink - m)
-    empty, l1 = l == 0, np.where(l > 0, l, 1.0)
-
-    def pv(p):
-        o = (p.reshape(b, hkv, g * sq, sk) @ vf).reshape(b, h, sq, d) / l1
-        return np.where(empty, 0.0, o).transpose(0, 2, 1, 3)
-    lse = np.where(empty, -np.inf, m + np.log(l1))[..., 0]
-    return pv(p), _round(pv(_round(p, DT[dtype], np)), DT[dtype], np), lse, cap_max
+        sink = np.exp(sink - m)
+        l = l + sink
+    return p, l, m, sink, cap_max
 
 
 def _flash_palette(rng):
@@ -395,16 +436,20 @@ def _scale(rng, values, hd):
     return None
 
 
+def _dtype_and_head_dim(rng, pal, hooks):
+    """A case's dtype and head dim from the palette: its hooked ones for a hooked case."""
+    if hooks:                            # the run's hooked head dim, below it too
+        return pal["hook_dtype"], pal["hook_hd"] - 8 * int(rng.integers(0, 4))
+    if rng.random() < 0.1:               # the run's odd head dim, below its compiled one too
+        return pal["dtype"], pal["hd"] - 8 * int(rng.integers(0, 4))
+    dtype = _pick(rng, ("f16", "bf16"))  # compiled 64 / 128, with zero-filled tails
+    return dtype, int(_pick(rng, (64, 64, 64, 56, 48, 40, 128, 128, 128, 120, 112, 104)))
+
+
 def _flash_common(rng, pal):
     """Everything but the lengths: dtype, head dim, heads, hooks, options, values, layouts."""
     hooks = int(_pick(rng, pal["hooks"])) if rng.random() < 0.25 else 0
-    if hooks:                            # the run's hooked head dim, below it too
-        dtype, hd = pal["hook_dtype"], pal["hook_hd"] - 8 * int(rng.integers(0, 4))
-    elif rng.random() < 0.1:             # the run's odd head dim, below its compiled one too
-        dtype, hd = pal["dtype"], pal["hd"] - 8 * int(rng.integers(0, 4))
-    else:                                # compiled 64 / 128, with zero-filled tails
-        dtype = _pick(rng, ("f16", "bf16"))
-        hd = int(_pick(rng, (64, 64, 64, 56, 48, 40, 128, 128, 128, 120, 112, 104)))
+    dtype, hd = _dtype_and_head_dim(rng, pal, hooks)
     p = {}
     _set_hooks(rng, p, hooks)
     values = _hook_values(p, _pick(rng, ("normal", "big", "offset", "vmax"),
@@ -435,9 +480,9 @@ def _flash_sizes(p):
             d * sum(a * h + 2 * b * p["hkv"] for a, b in pairs))
 
 
-def _fit(p):
-    """Shrink to CAPS: batch (all sequences alike) or kv heads first, then the longest length."""
-    while any(s > cap for s, cap in zip(_flash_sizes(p), CAPS)):
+def _fit(p, caps=CAPS):
+    """Shrink to caps: batch (all sequences alike) or kv heads first, then the longest length."""
+    while any(s > cap for s, cap in zip(_flash_sizes(p), caps)):
         lq, lk = p["lens_q"], p["lens_k"]
         if p.get("batch", 1) > 1:
             p["batch"] //= 2
@@ -450,40 +495,49 @@ def _fit(p):
             side[i] = side[i] * 7 // 10
 
 
-def gen_flash(rng, pal):
-    p = _flash_common(rng, pal)
-    regime = _pick(rng, ("small", "medium", "long_k", "long_q", "square"),
-                   p=[0.45, 0.35, 0.1, 0.05, 0.05])
-    batch, sq, sk = {
-        "small": lambda: (int(rng.integers(1, 5)), _length(rng, 200), _length(rng, 200)),
-        "medium": lambda: (int(rng.integers(1, 3)), _length(rng, 1100), _length(rng, 1100)),
-        "long_k": lambda: (1, _length(rng, 64), int(rng.integers(4096, 32769))),
-        "long_q": lambda: (1, int(rng.integers(4096, 12001)), _length(rng, 128)),
-        "square": lambda: (1, int(rng.integers(1024, 2049)), int(rng.integers(1024, 2049))),
-    }[regime]()
+def _fixed_lengths(rng, p, regimes, weights, caps=CAPS):
+    """batch, sq, sk of a fixed-length case from one of its regimes ((batch, sq, sk) makers,
+    drawn by weight), shrunk to caps; then its mask."""
+    batch, sq, sk = _pick(rng, regimes, p=weights)()
     p.update(batch=batch, lens_q=[sq] * batch, lens_k=[sk] * batch)
-    _fit(p)
+    _fit(p, caps)
     p.update(batch=len(p["lens_q"]), sq=p["lens_q"][0], sk=p.pop("lens_k")[0])
     del p["lens_q"]
     _mask(rng, p, max(p["sq"], p["sk"]))
     return p
 
 
-def gen_varlen(rng, pal):
-    p = _flash_common(rng, pal)
+def _varlen_lengths(rng, p, hi, long_k, caps=CAPS):
+    """Packed sequences of up to hi tokens each (1 in 10 cases a short query against long_k
+    keys, a [lo, hi) range), shrunk to caps; rows past the last sequence, max_seqlen_* above
+    the longest, the mask."""
     long = rng.random() < 0.1
     batch = int(rng.integers(1, 3 if long else 9))
-    lq = [_length(rng, 300) for _ in range(batch)]
-    lk = [_length(rng, 300) for _ in range(batch)]
+    lq = [_length(rng, hi) for _ in range(batch)]
+    lk = [_length(rng, hi) for _ in range(batch)]
     if long:                             # one decode-like sequence against a long context
         i = int(rng.integers(0, batch))
-        lq[i], lk[i] = _length(rng, 64), int(rng.integers(4096, 32769))
+        lq[i], lk[i] = _length(rng, 64), int(rng.integers(*long_k))
     p.update(lens_q=lq, lens_k=lk)
-    _fit(p)
+    _fit(p, caps)
     p.update(pad_q=int(_pick(rng, (0, 0, 0, 3))), pad_k=int(_pick(rng, (0, 0, 0, 5))),
              extra_max=int(_pick(rng, (0, 0, 0, 1, 100))))   # max_seqlen_* above the longest
     _mask(rng, p, max(lq + lk))
     return p
+
+
+def gen_flash(rng, pal):
+    return _fixed_lengths(rng, _flash_common(rng, pal), [    # small, medium, long k, long q, square
+        lambda: (int(rng.integers(1, 5)), _length(rng, 200), _length(rng, 200)),
+        lambda: (int(rng.integers(1, 3)), _length(rng, 1100), _length(rng, 1100)),
+        lambda: (1, _length(rng, 64), int(rng.integers(4096, 32769))),
+        lambda: (1, int(rng.integers(4096, 12001)), _length(rng, 128)),
+        lambda: (1, int(rng.integers(1024, 2049)), int(rng.integers(1024, 2049)))],
+        [0.45, 0.35, 0.1, 0.05, 0.05])
+
+
+def gen_varlen(rng, pal):
+    return _varlen_lengths(rng, _flash_common(rng, pal), 300, (4096, 32769))
 
 
 def _qkv(rng, p, qshape, kshape):
@@ -624,6 +678,264 @@ def work_flash(p):
     per_score = (3 * d + 30) * (1.3 if _hooked(p) else 1.0)       # (tanh, the bias: ~30%)
     macs = sum(h * a * b * per_score + 40 * d * (h * a + 2 * p["hkv"] * b) for a, b in pairs)
     return macs / 7.5e9                  # host seconds on one core
+
+
+# ---- flash_backward / flash_varlen_backward -------------------------------------------------
+# A case runs the forward (flash_forward / flash_varlen_forward, unsplit: tested above) for out
+# and lse on the device, then the backward; each sequence's gradients are checked against
+# tests/reference.py attention_backward_reference by test_flash_bwd's rule (check_grads).
+
+_BWD_INPUTS = ("q", "k", "v", "dout", "out", "lse")      # each a strided view in some cases
+
+
+def _bwd_palette(rng):
+    """The flash palette and a head dim of the main kernel's two-pass form (above 128:
+    compiled 160, 192 or 256, which 224 runs as): the palette's odd one if above 128."""
+    pal = _flash_palette(rng)
+    pal["big"] = (pal["dtype"], pal["hd"]) if pal["hd"] > 128 else \
+        (_pick(rng, ("f16", "bf16")), int(_pick(rng, (160, 192, 224, 256))))
+    return pal
+
+
+def _bwd_common(rng, pal):
+    """Everything but the lengths: dtype, head dim (1 in 10 unhooked cases the two-pass
+    form's), heads, hooks, values, options; the inputs given as strided views, and dq=, dk=,
+    dv= each none, contiguous or strided."""
+    hooks = int(_pick(rng, pal["hooks"])) if rng.random() < 0.25 else 0
+    if not hooks and rng.random() < 0.1:
+        dtype, top = pal["big"]
+        hd = top - 8 * int(rng.integers(0, 4))
+    else:
+        dtype, hd = _dtype_and_head_dim(rng, pal, hooks)
+    p = {}
+    _set_hooks(rng, p, hooks)
+    values = _hook_values(p, _pick(rng, ("normal", "big", "vmax"), p=[0.8, 0.12, 0.08]))
+    if values == "vmax" and dtype != "f16":
+        values = "normal"
+    scale = 2.0 ** -int(rng.integers(0, 3)) if values == "big" else _scale(rng, values, hd)
+    return dict(dtype=dtype, hd=hd, hkv=int(_pick(rng, (1, 2, 4))),
+                gqa=int(_pick(rng, (1, 2, 4, 8))), values=values, scale=scale, **p,
+                deterministic=bool(rng.random() < 0.25),
+                grads=tuple(_pick(rng, ("none", "contig", "strided")) for _ in "qkv"),
+                strided=tuple(n for n in _BWD_INPUTS if rng.random() < 0.4))
+
+
+def gen_bwd(rng, pal):
+    return _fixed_lengths(rng, _bwd_common(rng, pal), [      # small, medium, long k, long q
+        lambda: (int(rng.integers(1, 5)), _length(rng, 160), _length(rng, 160)),
+        lambda: (int(rng.integers(1, 3)), _length(rng, 700), _length(rng, 700)),
+        lambda: (1, _length(rng, 48), int(rng.integers(1000, 3001))),
+        lambda: (1, int(rng.integers(1000, 3001)), _length(rng, 96))],
+        [0.55, 0.3, 0.08, 0.07], BWD_CAPS)
+
+
+def gen_bwd_varlen(rng, pal):
+    return _varlen_lengths(rng, _bwd_common(rng, pal), 200, (1000, 3001), BWD_CAPS)
+
+
+def _bwd_values(rng, p, qshape, kshape):
+    """q, k, v, dout of a value mode: "big", integer q and k with |q . k| <= 256, so that the
+    scores (at a power-of-two scale) are exact in either dtype and the reference's lowp form
+    rounds none of them (a softmax peaked over a few keys); "vmax", fp16 values near 65504 in
+    v, dout scaled by 2^-10 (dP ~ D ~ 1e3 cancel in dP - D; dS and the gradients in range)."""
+    if p["values"] == "big":
+        r = max(1, math.isqrt(256 // p["hd"]))
+        q, k = (rng.integers(-r, r + 1, s).astype(np.float32) for s in (qshape, kshape))
+    else:
+        q, k = (rng.standard_normal(s, dtype=np.float32) for s in (qshape, kshape))
+    v = rng.standard_normal(kshape, dtype=np.float32)
+    dout = rng.standard_normal(qshape, dtype=np.float32)
+    if p["values"] == "vmax":
+        sel = rng.random(kshape) < _pick(rng, (0.05, 1.0))
+        v[sel] = rng.choice([-1.0, 1.0], sel.sum()) * rng.uniform(6e4, 65504, sel.sum())
+        dout *= 2.0 ** -10
+    return tuple(x.astype(DT[p["dtype"]]) for x in (q, k, v, dout))
+
+
+_TANH_ERR = 2.0 ** -10.99               # tanh.approx.f32's relative error (_softcap_slack)
+
+
+def _softcap_grad_slack(q, k, v, dout, scale, *, causal, window, softcap, alibi, sinks):
+    """Bounds of what the kernels' tanh.approx.f32 moves one sequence's dq, dk, dv and dsinks
+    by, which the float64 reference does not model (_softcap_slack is the forward's). Every
+    capped score moves by at most a = 2^-10.9 max|s'|, so each P_ij and P_sink (the forward's
+    lse shares the error) by a factor within e^(+/-2a), c = e^(2a) - 1. With
+    E_i = sum_j P_ij |dP_ij|: D_i moves by at most c E_i, dZ = P (dP - D) by at most
+    B = c (P |dP - D| + (1 + c) P E), and dS = dZ (1 - t^2), whose 1 - t^2 is off by at most
+    2.01 x 2^-10.99, by G = B + 2.01 x 2^-10.99 P |dP - D|; so |ddQ| <= scale G |K|,
+    |ddK| <= scale G^T |Q| and |ddV| <= c P^T |dO| (summed over a KV head's query heads),
+    |ddsink| <= sum_i c P_sink (|D_i| + (1 + c) E_i). A bound:
+    test_softcap_grad_slack_covers_an_approximate_tanh."""
+    zero = dict(dq=0.0, dk=0.0, dv=0.0, dsinks=0.0)
+    if softcap <= 0:
+        return zero
+    sq, h, d = q.shape
+    sk, hkv, _ = k.shape
+
+    def heads(x):                        # (heads, rows, d), contiguous for BLAS
+        return np.ascontiguousarray(x.astype(np.float64).transpose(1, 0, 2))
+
+    def per_kv(x):                       # (h, sk, d) -> summed over each KV head's group
+        return x.reshape(hkv, h // hkv, sk, d).sum(axis=1)
+    qh, oh = heads(q), heads(dout)
+    kh, vh = (np.repeat(heads(x), h // hkv, axis=0) for x in (k, v))   # query head h: h // g
+    e, l, _, sink, cap_max = _softmax_terms(scale * (qh @ kh.transpose(0, 2, 1))[None], causal,
+                                            window, softcap, alibi, sinks)
+    l = np.where(l > 0, l, 1.0)[0]
+    p = e[0] / l
+    c = math.expm1(2 * 2.0 ** -10.9 * cap_max)
+    dp = oh @ vh.transpose(0, 2, 1)
+    dd = (p * dp).sum(axis=-1, keepdims=True)
+    ee = (p * np.abs(dp)).sum(axis=-1, keepdims=True)
+    dz = p * np.abs(dp - dd)
+    g = c * (dz + (1 + c) * p * ee) + 2.01 * _TANH_ERR * dz
+    zero.update(dq=scale * (g @ np.abs(kh)).max(initial=0.0),
+                dk=scale * per_kv(g.transpose(0, 2, 1) @ np.abs(qh)).max(initial=0.0),
+                dv=c * per_kv(p.transpose(0, 2, 1) @ np.abs(oh)).max(initial=0.0))
+    if sink is not None:
+        ds = c * sink[0] / l * (np.abs(dd) + (1 + c) * ee)
+        zero["dsinks"] = float(ds.sum(axis=(1, 2)).max(initial=0.0))
+    return zero
+
+
+def _bwd_lengths(p):
+    """Per sequence (query, key) lengths; a fixed-length case's batch as its sequences."""
+    if "lens_q" in p:
+        return p["lens_q"], p["lens_k"]
+    return [p["sq"]] * p["batch"], [p["sk"]] * p["batch"]
+
+
+def build_bwd(p, rng):
+    """Inputs, and per sequence the float64 gradients, their lowp form and the softcap slack
+    (packed: a fixed-length case's batch as its sequences); the rows whose dq must be exactly
+    0 (those that see no key, those past the sequences)."""
+    h, hkv, d = p["hkv"] * p["gqa"], p["hkv"], p["hd"]
+    lens_q, lens_k = _bwd_lengths(p)
+    cu_q, cu_k = _cu(lens_q), _cu(lens_k)
+    q, k, v, dout = _bwd_values(rng, p, (cu_q[-1] + p.get("pad_q", 0), h, d),
+                                (cu_k[-1] + p.get("pad_k", 0), hkv, d))
+    slopes, sinks = _hook_arrays(rng, p, h)
+    scale = 1.0 / math.sqrt(d) if p["scale"] is None else p["scale"]
+    kw = dict(causal=p["causal"], window=p["window"], softcap=p["softcap"], alibi=slopes,
+              sinks=sinks)
+
+    def zeros():
+        return dict(dq=np.zeros(q.shape), dk=np.zeros((cu_k[-1], hkv, d)),
+                    dv=np.zeros((cu_k[-1], hkv, d)), dsinks=np.zeros(h))
+    ref, lowp = zeros(), zeros()
+    slack, dq_zero = [], np.ones(len(q), bool)
+    for s, (a, b) in enumerate(zip(lens_q, lens_k)):
+        rq, rk = slice(cu_q[s], cu_q[s + 1]), slice(cu_k[s], cu_k[s + 1])
+        seq = (q[rq], k[rk], v[rk], dout[rq])
+        for grads, dt in ((ref, None), (lowp, DT[p["dtype"]])):
+            dq, dk, dv, dsinks = attention_backward_reference(*seq, scale, lowp=dt, **kw)
+            grads["dq"][rq], grads["dk"][rk], grads["dv"][rk] = dq, dk, dv
+            if sinks is not None:
+                grads["dsinks"] += dsinks
+        slack.append(_softcap_grad_slack(*seq, scale, **kw))
+        dq_zero[rq] = ~_visible(np, a, b, p["causal"], p["window"]).any(axis=1)
+    if "sq" in p:                        # the call's (batch, seqlen, heads, head dim)
+        q, dout = (x.reshape(p["batch"], p["sq"], h, d) for x in (q, dout))
+        k, v = (x.reshape(p["batch"], p["sk"], hkv, d) for x in (k, v))
+    return dict(q=q, k=k, v=v, dout=dout, alibi_slopes=slopes, sinks=sinks, cu_q=cu_q,
+                cu_k=cu_k, ref=ref, lowp=lowp, slack=slack, dq_zero=dq_zero)
+
+
+def call_bwd(p, c, rng):
+    """The forward for out and lse (out= a poisoned view where "out" is strided, lse copied into
+    one where "lse" is), then the backward, dq= / dk= / dv= as drawn; rows of a given dk / dv
+    past cu_seqlens_k[-1] stay NaN (not written), deterministic calls repeat bit for bit."""
+    import cupy as cp
+    x = {n: _place(c[n], rng, n in p["strided"])[0] for n in ("q", "k", "v", "dout")}
+    opts = dict(causal=p["causal"], softmax_scale=p["scale"], window_size=p["window"],
+                **_hook_args(p, c, rng))
+    varlen = "lens_q" in p
+    if varlen:
+        lens = (cp.asarray(c["cu_q"]), cp.asarray(c["cu_k"]), max(p["lens_q"]) + p["extra_max"],
+                max(p["lens_k"]) + p["extra_max"])
+        fwd, bwd = cuattn.flash_varlen_forward, cuattn.flash_varlen_backward
+    else:
+        lens, fwd, bwd = (), cuattn.flash_forward, cuattn.flash_backward
+    dt = DT[p["dtype"]]
+    out = _poisoned_out(c["q"].shape, dt, rng, "strided" if "out" in p["strided"] else "none")
+    out, lse = fwd(x["q"], x["k"], x["v"], *lens, out=out[0], return_lse=True, num_splits=1,
+                   **opts)
+    lse = _place(lse.get(), rng, "lse" in p["strided"], free_last=True)[0]
+    given = [_poisoned_out(a.shape, dt, rng, how) for a, how in zip((c["q"], c["k"], c["k"]),
+                                                                    p["grads"])]
+    args = (x["dout"], x["q"], x["k"], x["v"], out, lse) + lens
+    res = bwd(*args, deterministic=p["deterministic"], dq=given[0][0], dk=given[1][0],
+              dv=given[2][0], **opts)
+    for r, (view, store, outside) in zip(res, given):
+        if view is not None:
+            assert r is view, "dq= / dk= / dv= was not returned"
+            _assert_untouched(store, outside)
+    host = [r.get() for r in res]
+    got = dict(dq=host[0], dk=host[1], dv=host[2], dsinks=host[3] if len(host) == 4 else None)
+    if varlen:
+        n = int(c["cu_k"][-1])
+        for name, (view, _, _) in zip(("dk", "dv"), given[1:]):
+            if view is not None:
+                assert np.isnan(got[name][n:].astype(np.float32)).all(), \
+                    f"{name} written past cu_seqlens_k[-1]"
+            got[name] = got[name][:n]
+    if p["deterministic"]:
+        for name, r in zip(got, bwd(*args, deterministic=True, **opts)):
+            again = r.get()[:len(got[name])]
+            assert np.array_equal(again.view(np.uint8), got[name].view(np.uint8)), \
+                f"deterministic: {name} differs between two calls"
+    return got
+
+
+def check_bwd(p, c, got):
+    h, hkv, d = p["hkv"] * p["gqa"], p["hkv"], p["hd"]
+    dt = DT[p["dtype"]]
+    grads = dict(dq=got["dq"].reshape(-1, h, d), dk=got["dk"].reshape(-1, hkv, d),
+                 dv=got["dv"].reshape(-1, hkv, d))
+    assert not grads["dq"][c["dq_zero"]].astype(np.float32).any(), \
+        "dq is not 0 in a row that sees no key (or past the sequences)"
+    cu_q, cu_k = c["cu_q"], c["cu_k"]
+    for s, slack in enumerate(c["slack"]):
+        rk = slice(cu_k[s], cu_k[s + 1])
+        for name, rows in (("dq", slice(cu_q[s], cu_q[s + 1])), ("dk", rk), ("dv", rk)):
+            check_grads(grads[name][rows], c["ref"][name][rows], c["lowp"][name][rows], dt,
+                        f"{name} of sequence {s}", slack[name])
+    if c["sinks"] is not None:
+        check_grads(got["dsinks"], c["ref"]["dsinks"], c["lowp"]["dsinks"], dt, "dsinks",
+                    sum(slack["dsinks"] for slack in c["slack"]))
+
+
+def oracle_bwd(p, c):
+    dt = DT[p["dtype"]]
+    kshape = c["k"].shape if "sq" in p else c["ref"]["dk"].shape
+    return dict(dq=c["ref"]["dq"].astype(dt).reshape(c["q"].shape),
+                dk=c["ref"]["dk"].astype(dt).reshape(kshape),
+                dv=c["ref"]["dv"].astype(dt).reshape(kshape),
+                dsinks=None if c["sinks"] is None else c["ref"]["dsinks"].astype(np.float32))
+
+
+def kernels_bwd(p, arch):
+    """The forward's (unsplit), then the backward's as flash_bwd._plan launches them: the
+    pre-pass and dQ convert where there are rows, the main kernel where there are keys, the
+    sinks' gradient with sinks."""
+    lens_q, lens_k = _bwd_lengths(p)
+    max_sq, max_sk = (max(n) + p.get("extra_max", 0) for n in (lens_q, lens_k))
+    prep, convert, dsinks = tuning_bwd.flash_bwd_row_variants(p["dtype"], p["hd"])
+    main = tuning_bwd.flash_bwd_variant(p["dtype"], p["hd"], mask=_mask_of(p, max_sq, max_sk),
+                                        arch=arch, features=_features(p))
+    rows = sum(lens_q) + p.get("pad_q", 0)
+    return kernels_flash(dict(p, num_splits=1), arch) + [prep, convert] * (rows > 0) + \
+        [main] * (max_sk > 0) + [dsinks] * p["sinks"]
+
+
+def work_bwd(p):
+    """The reference and its lowp form loop over the heads of each sequence: a cost per head,
+    per score and per row element; the softcap bound's per score (fitted to build_bwd and
+    check_bwd on the CPU machine, one core)."""
+    h, d = p["hkv"] * p["gqa"], p["hd"]
+    per_score = 28 + 0.55 * d + (90 if p["softcap"] > 0 else 0)
+    return sum(4e-5 * h + (h * a * b * per_score + 75 * d * (h * a + p["hkv"] * b)) / 1e9
+               for a, b in zip(*_bwd_lengths(p))) + 3e-4
 
 
 # ---- merge_attn_states / merge_states ------------------------------------------------------
@@ -1363,12 +1675,19 @@ SPECS = {
                               check_reshape, oracle_reshape, kernels_reshape, work_reshape),
     "paged_prefill": Spec(_prefill_palette, gen_prefill, build_prefill, call_prefill,
                           check_flash, oracle_flash, kernels_prefill, work_prefill),
+    "flash_backward": Spec(_bwd_palette, gen_bwd, build_bwd, call_bwd, check_bwd, oracle_bwd,
+                           kernels_bwd, work_bwd),
+    "flash_varlen_backward": Spec(_bwd_palette, gen_bwd_varlen, build_bwd, call_bwd, check_bwd,
+                                  oracle_bwd, kernels_bwd, work_bwd),
 }
+# The functions that share a run's palette, and their kernel variants' budget.
+_GROUP = {"flash_forward": "flash", "flash_varlen_forward": "flash",
+          "flash_backward": "flash_bwd", "flash_varlen_backward": "flash_bwd"}
 
 
 def _cases(fn, base, indices):
     spec = SPECS[fn]
-    shared = "flash_forward" if fn.startswith("flash") else fn     # the flash tests share
+    shared = next(f for f in FUNCS if _GROUP.get(f, f) == _GROUP.get(fn, fn))
     palette = spec.palette(_rng(base, shared, 0, 2))
     return [(i, spec.gen(_rng(base, fn, i, 0), palette)) for i in indices]
 
@@ -1419,8 +1738,7 @@ def test_case_space_stays_within_the_budgets(seed):
     for fn in FUNCS:
         cases = _cases(fn, seed, range(DEFAULT_CASES))
         for _, p in cases:
-            kernels["flash" if fn.startswith("flash") else fn].update(
-                SPECS[fn].kernels(p, "sm_90"))
+            kernels[_GROUP.get(fn, fn)].update(SPECS[fn].kernels(p, "sm_90"))
         host = sum(SPECS[fn].work(p) for _, p in cases)
         total += host
         print(f"{fn}: ~{host:.1f} host s (budget {HOST_S_BUDGET[fn]})")
@@ -1495,15 +1813,23 @@ def test_harness_on_cpu_with_an_oracle(fn):
         if fn == "reshape_and_cache":
             bad = dict(got, v=got["v"].copy())
             bad["v"].view(np.uint8).flat[0] ^= 1
+            wrong = [bad]
         else:
-            bad = _perturbed(got)
-            if not bad["out"].size:
+            wrong = _wrong_answers(got)
+            if not wrong:
                 continue
-        with pytest.raises(AssertionError):
-            spec.check(p, c, bad)
+        for bad in wrong:
+            with pytest.raises(AssertionError):
+                spec.check(p, c, bad)
         bitten += 1
     print(f"{fn}: 30 cases on the CPU in {time.perf_counter() - t0:.1f} s, {bitten} perturbed")
     assert bitten >= 10
+
+
+# The kinds of options the hooked-cases test wants of a function besides the three hooks.
+_MORE_KINDS = {"paged_attention": {"window", "nhd"}, "paged_prefill": {"nhd", "fp8"},
+               "flash_backward": {"window", "causal", "deterministic"},
+               "flash_varlen_backward": {"window", "causal", "deterministic"}}
 
 
 def _hook_kinds(fn, p):
@@ -1511,6 +1837,9 @@ def _hook_kinds(fn, p):
     kinds = {k for k in ("softcap", "alibi", "sinks") if p.get(k)}
     if fn == "paged_attention" and p["window"][0] >= 0:
         kinds.add("window")
+    if _GROUP.get(fn) == "flash_bwd":
+        kinds |= {k for k, on in (("window", p["window"] != (-1, -1)), ("causal", p["causal"]),
+                                  ("deterministic", p["deterministic"])) if on}
     if p.get("layout") == "nhd":
         kinds.add("nhd")
     if fn == "paged_prefill" and p["cache"] != "same":
@@ -1519,16 +1848,16 @@ def _hook_kinds(fn, p):
 
 
 @pytest.mark.parametrize("fn", ["flash_forward", "flash_varlen_forward", "paged_attention",
-                                "paged_prefill"])
+                                "paged_prefill", "flash_backward", "flash_varlen_backward"])
 def test_hooked_cases_on_cpu_with_an_oracle(fn):
     """The generic oracle test on cases that carry hooks (and, for paged_attention, windows
-    and the NHD layout; for paged_prefill the NHD layout and fp8 caches): every kind occurs in
-    the default N cases, and the first cases of each kind pass for the rounded reference and
-    fail for a perturbed one."""
+    and the NHD layout; for paged_prefill the NHD layout and fp8 caches; for the backward
+    windows, causal and deterministic calls): every kind occurs in the default N cases, and
+    the first cases of each kind pass for the rounded reference and fail for a perturbed
+    one."""
     spec = SPECS[fn]
     cases = _cases(fn, 11, range(DEFAULT_CASES))
-    want = {"softcap", "alibi", "sinks"} | ({"window", "nhd"} if fn == "paged_attention" else
-                                           {"nhd", "fp8"} if fn == "paged_prefill" else set())
+    want = {"softcap", "alibi", "sinks"} | _MORE_KINDS.get(fn, set())
     seen = {k: [] for k in want}
     for i, p in cases:
         for k in _hook_kinds(fn, p):
@@ -1542,11 +1871,11 @@ def test_hooked_cases_on_cpu_with_an_oracle(fn):
         c = spec.build(p, _rng(11, fn, i, 1))
         got = spec.oracle(p, c)
         spec.check(p, c, got)
-        bad = _perturbed(got)
-        if bad["out"].size and np.abs(c["ref"]).max(initial=0) > 0:
+        wrong = _wrong_answers(got, nonzero=True)
+        for bad in wrong:
             with pytest.raises(AssertionError):
                 spec.check(p, c, bad)
-            bitten += 1
+        bitten += bool(wrong)
     print(f"{fn}: {len(picked)} hooked cases, {bitten} perturbed; "
           f"{ {k: len(v) for k, v in seen.items()} } of {DEFAULT_CASES}")
     assert bitten >= len(picked) // 2
@@ -1600,6 +1929,41 @@ def test_softcap_slack_covers_an_approximate_tanh():
             elif softcap >= 3:
                 with pytest.raises(AssertionError):
                     check_flash(p, c, got)
+
+
+def test_softcap_grad_slack_covers_an_approximate_tanh():
+    """The reference's gradients with a tanh off by the kernels' relative error 2^-10.99 (each
+    element the worse way, or at random) stay within _softcap_grad_slack of the exact ones
+    (GQA, sinks, ALiBi, a window, peaked scores), and pass check_bwd; with a tanh off by 2^-4
+    (a wrong or much cruder one) check_bwd fails where the cap is not tiny. (A worst case over
+    the errors' signs, the bound is 3 to 100 times the error of these trials: 2^-5 can pass
+    at cap 20 in bf16, whose lowp reference already rounds the scores by 2^-9.)"""
+    rng = np.random.default_rng(5)
+    for trial in range(12):
+        big = trial // 2 % 2 == 1
+        p = dict(dtype=("f16", "bf16")[trial % 2], hd=64, hkv=2, gqa=2,
+                 values="big" if big else "normal", scale=1.0 if big else None,
+                 softcap=(0.5, 3.0, 20.0)[trial // 4], alibi=trial % 3 == 0, sinks=True,
+                 causal=trial % 2 == 1, window=(40, 7) if trial % 3 == 1 else (-1, -1),
+                 batch=1, sq=37, sk=90)
+        c = build_bwd(p, rng)
+        seq = [c[n][0] for n in ("q", "k", "v", "dout")]
+        kw = dict(causal=p["causal"], window=p["window"], softcap=p["softcap"],
+                  alibi=c["alibi_slopes"], sinks=c["sinks"])
+        for err, sign in ((_TANH_ERR, 1.0), (_TANH_ERR, -1.0), (_TANH_ERR, None),
+                          (2.0 ** -4, None)):
+            def tanh(x):
+                return np.tanh(x) * (1 + err * (rng.choice([-1.0, 1.0], x.shape)   # noqa: B023
+                                                if sign is None else sign))        # noqa: B023
+            approx = attention_backward_reference(*seq, p["scale"] or 0.125, tanh=tanh, **kw)
+            got = oracle_bwd(p, dict(c, ref=dict(zip(("dq", "dk", "dv", "dsinks"), approx))))
+            if err < 2.0 ** -10:
+                for name, a in zip(("dq", "dk", "dv", "dsinks"), approx):
+                    assert np.abs(a - c["ref"][name]).max() <= c["slack"][0][name], (trial, name)
+                check_bwd(p, c, got)
+            elif p["softcap"] >= 3:
+                with pytest.raises(AssertionError):
+                    check_bwd(p, c, got)
 
 
 def test_paged_cache_builder_and_gather():
