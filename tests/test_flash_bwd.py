@@ -178,11 +178,7 @@ def check_grads(got, want, lowp, dtype, what="", slack=0.0):
     assert np.isfinite(g).all(), f"{what}: NaN/inf (an unwritten element, or a bad row)"
     err = np.abs(g - want).max(initial=0)
     err_lp = np.abs(lowp - want).max(initial=0)
-<<<<<<< HEAD
-    tol = grad_tolerance(err_lp, _floor(dtype) * max(1.0, np.abs(want).max(initial=0)))
-=======
-    tol = 3 * err_lp + _floor(dtype) * max(1.0, np.abs(want).max(initial=0)) + slack
->>>>>>> fuzzbwd
+    tol = grad_tolerance(err_lp, _floor(dtype) * max(1.0, np.abs(want).max(initial=0))) + slack
     assert err <= tol, f"{what}: max error {err:.3g} > {tol:.3g} (lowp ref {err_lp:.3g})"
 
 
