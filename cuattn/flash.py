@@ -131,6 +131,28 @@ def _check_cu_seqlens(x, name, batch_plus_1=None):
     A.check_aligned(x, 4, name)
 
 
+def check_fixed_lengths(q, k) -> int:
+    """The fixed-length calls' batch and sequence lengths (q and k 4-d); -> seqlen_k."""
+    batch, sq = q.shape[0], q.shape[1]
+    if k.shape[0] != batch:
+        raise ValueError(f"k: batch {k.shape[0]} differs from q's {batch}")
+    sk = k.shape[1]
+    if max(sq, sk) >= _MAX_SEQLEN or batch * sq > _INT32_MAX:
+        raise ValueError(f"q: sequence lengths ({sq}, {sk}) must be < 2**29 and batch x "
+                         "seqlen_q must fit in int32")
+    return sk
+
+
+def check_max_seqlens(max_seqlen_q, max_seqlen_k) -> tuple[int, int]:
+    """The varlen calls' bounds: ints, 0 <= n < 2**29."""
+    for name, val in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if isinstance(val, bool) or not isinstance(val, (int, np.integer)):
+            raise TypeError(f"{name}: expected an int, got {type(val).__name__}")
+        if val < 0 or val >= _MAX_SEQLEN:
+            raise ValueError(f"{name}: expected 0 <= {name} < 2**29, got {val}")
+    return int(max_seqlen_q), int(max_seqlen_k)
+
+
 def _fixed_plan(arrays, causal, softmax_scale, window_size, softcap, return_lse,
                 num_splits) -> Plan:
     q, k, v, alibi_slopes, sinks, out = arrays
@@ -138,12 +160,7 @@ def _fixed_plan(arrays, causal, softmax_scale, window_size, softcap, return_lse,
     doc_kv = "(batch, seqlen_k, nheads_kv, headdim)"
     dtype = _check_qkv(q, k, v, 4, doc_q, doc_kv)
     batch, sq, nheads, head_dim = q.shape
-    if k.shape[0] != batch:
-        raise ValueError(f"k: batch {k.shape[0]} differs from q's {batch}")
-    sk = k.shape[1]
-    if max(sq, sk) >= _MAX_SEQLEN or batch * sq > _INT32_MAX:
-        raise ValueError(f"q: sequence lengths ({sq}, {sk}) must be < 2**29 and batch x "
-                         "seqlen_q must fit in int32")
+    sk = check_fixed_lengths(q, k)
     softmax_scale, left, right, num_splits, return_lse = _check_options(
         causal, softmax_scale, window_size, num_splits, return_lse, head_dim)
     device_id = q.device.id
@@ -180,12 +197,7 @@ def _varlen_plan(arrays, max_seqlen_q, max_seqlen_k, causal, softmax_scale, wind
     _check_cu_seqlens(cu_q, "cu_seqlens_q")
     _check_cu_seqlens(cu_k, "cu_seqlens_k", cu_q.shape[0])
     batch = cu_q.shape[0] - 1
-    for name, val in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
-        if isinstance(val, bool) or not isinstance(val, (int, np.integer)):
-            raise TypeError(f"{name}: expected an int, got {type(val).__name__}")
-        if val < 0 or val >= _MAX_SEQLEN:
-            raise ValueError(f"{name}: expected 0 <= {name} < 2**29, got {val}")
-    max_seqlen_q, max_seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
+    max_seqlen_q, max_seqlen_k = check_max_seqlens(max_seqlen_q, max_seqlen_k)
     if total_q > _INT32_MAX or k.shape[0] > _INT32_MAX:
         raise ValueError(f"q: total_q {total_q} must fit in int32")
     softmax_scale, left, right, num_splits, return_lse = _check_options(

@@ -16,8 +16,8 @@ from . import _arrays as A
 from . import tuning_bwd
 from ._hooks import check_hooks, hook_fields
 from ._launch import NULL, Launch, Plan, execute, on_device, plan_cache, plan_for, returns
-from .flash import _MAX_GRID_YZ, _check_cu_seqlens, _check_options, _check_qkv, \
-    _mask_and_bounds, _MAX_SEQLEN, _INT32_MAX
+from .flash import _INT32_MAX, _MAX_GRID_YZ, _check_cu_seqlens, _check_options, _check_qkv, \
+    _mask_and_bounds, check_fixed_lengths, check_max_seqlens
 from .jit import device_info, get_kernel
 from .variants import FEAT_SINKS, FLASH_BWD_PARAMS
 
@@ -121,12 +121,7 @@ def _fixed_plan(arrays, causal, softmax_scale, window_size, softcap, determinist
     dtype, softmax_scale, left, right, deterministic, device_id = _common_checks(
         arrays, 4, doc_q, doc_kv, (batch, nheads, sq), "(batch, nheads, seqlen_q)", causal,
         softmax_scale, window_size, softcap, deterministic)
-    if k.shape[0] != batch:
-        raise ValueError(f"k: batch {k.shape[0]} differs from q's {batch}")
-    sk = k.shape[1]
-    if max(sq, sk) >= _MAX_SEQLEN or batch * sq > _INT32_MAX:
-        raise ValueError(f"q: sequence lengths ({sq}, {sk}) must be < 2**29 and batch x "
-                         "seqlen_q must fit in int32")
+    sk = check_fixed_lengths(q, k)
     features, softcap = check_hooks(softcap, alibi_slopes, sinks, nheads, device_id)
     _check_grads(dq, dk, dv, q, k, doc_q, doc_kv, device_id)
     fields = _stride_fields(arrays, (dq, dk, dv), varlen=False)
@@ -150,11 +145,7 @@ def _varlen_plan(arrays, max_seqlen_q, max_seqlen_k, causal, softmax_scale, wind
         causal, softmax_scale, window_size, softcap, deterministic)
     _check_cu_seqlens(cu_q, "cu_seqlens_q")
     _check_cu_seqlens(cu_k, "cu_seqlens_k", cu_q.shape[0])
-    for name, val in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
-        if isinstance(val, bool) or not isinstance(val, (int, np.integer)):
-            raise TypeError(f"{name}: expected an int, got {type(val).__name__}")
-        if val < 0 or val >= _MAX_SEQLEN:
-            raise ValueError(f"{name}: expected 0 <= {name} < 2**29, got {val}")
+    max_seqlen_q, max_seqlen_k = check_max_seqlens(max_seqlen_q, max_seqlen_k)
     if total_q > _INT32_MAX or k.shape[0] > _INT32_MAX:
         raise ValueError(f"q: total_q {total_q} must fit in int32")
     A.check_same_device({"cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k}, device_id)
@@ -163,7 +154,7 @@ def _varlen_plan(arrays, max_seqlen_q, max_seqlen_k, causal, softmax_scale, wind
     fields = _stride_fields((dout, q, k, v, out, lse), (dq, dk, dv), varlen=True)
     fields.update(seqlen_q=max(total_q, 1), seqlen_k=0)
     return _plan(device_id=device_id, dtype=dtype, q=q, k=k, grads=(dq, dk, dv),
-                 batch=cu_q.shape[0] - 1, max_sq=int(max_seqlen_q), max_sk=int(max_seqlen_k),
+                 batch=cu_q.shape[0] - 1, max_sq=max_seqlen_q, max_sk=max_seqlen_k,
                  total_q=total_q, varlen=True, softmax_scale=softmax_scale, left=left,
                  right=right, softcap=softcap, features=features, deterministic=deterministic,
                  fields=fields, names=_VARLEN_NAMES)

@@ -1,5 +1,6 @@
 """References for the autograd adapters' tests (tests/test_adapters_*.py): the float64
-backward of one sequence in NumPy (the stand-in kernel of the CPU plumbing tests), and
+backward of one sequence (tests/reference.py's, the stand-in kernel of the CPU plumbing
+tests), and
 the attention of the adapters' options as plain jax.numpy / torch math (autodiff gives
 its gradients). Each takes q (batch, seqlen_q, nheads, headdim), k / v (batch, seqlen_k,
 nheads_kv, headdim); query i sits at position i + seqlen_k - seqlen_q (bottom-right).
@@ -8,71 +9,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from tests.reference import attention_reference
+from tests.reference import attention_backward_reference, attention_reference, visible
 
 
-def visible(sq: int, sk: int, causal: bool, window: tuple[int, int]) -> np.ndarray:
-    """(sq, sk) bool: the keys each query sees (cuattn's causal and window rules)."""
-    pos = np.arange(sq)[:, None] + sk - sq
-    j = np.arange(sk)[None, :]
-    left, right = window
-    if causal:
-        right = 0
-    seen = np.ones((sq, sk), bool)
-    if right >= 0:
-        seen &= j <= pos + right
-    if left >= 0:
-        seen &= j >= pos - left
-    return seen
-
-
-def attention_grads_reference(q, k, v, dout, scale, *, causal=False, window=(-1, -1),
-                              softcap=0.0, alibi=None, sinks=None):
-    """Float64 (dq, dk, dv, dsinks) of one sequence: q, dout (sq, H, D), k, v (sk, Hkv, D).
-
-    FlashAttention-2's backward written out: P from the scores, dV = P^T dO, dP = dO V^T,
-    D = rowsum(dO * O), dS = P (dP - D) (times 1 - tanh^2 under softcap), dQ = scale dS K,
-    dK = scale dS^T Q; a sink h gets -sum_i P_sink(i) D_i. Rows that see nothing: zeros.
-    """
-    q, k, v, dout = (np.asarray(x, np.float64) for x in (q, k, v, dout))
-    sq, nheads, _ = q.shape
-    sk, nheads_kv, _ = k.shape
-    group = nheads // nheads_kv
-    pos = np.arange(sq)[:, None] + sk - sq
-    j = np.arange(sk)[None, :]
-    seen = visible(sq, sk, causal, window)
-    dq, dk, dv = np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape)
-    dsinks = np.zeros(nheads)
-    for h in range(nheads):
-        kh, vh = k[:, h // group], v[:, h // group]
-        s = scale * (q[:, h] @ kh.T)
-        tanh = None
-        if softcap > 0:
-            tanh = np.tanh(s / softcap)
-            s = softcap * tanh
-        if alibi is not None:
-            s = s - float(alibi[h]) * np.abs(pos - j)
-        s = np.where(seen, s, -np.inf)
-        m = s.max(axis=1, initial=-np.inf)
-        if sinks is not None:
-            m = np.maximum(m, float(sinks[h]))
-        m = np.where(np.isinf(m), 0.0, m)
-        p = np.exp(s - m[:, None])
-        sink = np.exp(float(sinks[h]) - m) if sinks is not None else np.zeros(sq)
-        denom = p.sum(axis=1) + sink
-        with np.errstate(invalid="ignore", divide="ignore"):
-            p = np.where(denom[:, None] > 0, p / denom[:, None], 0.0)
-            sink = np.where(denom > 0, sink / denom, 0.0)
-        do = dout[:, h]
-        d = (do * (p @ vh)).sum(axis=1)
-        ds = p * (do @ vh.T - d[:, None])
-        if tanh is not None:
-            ds = ds * (1 - tanh**2)
-        dv[:, h // group] += p.T @ do
-        dq[:, h] = scale * ds @ kh
-        dk[:, h // group] += scale * ds.T @ q[:, h]
-        dsinks[h] = -(sink * d).sum()
-    return dq, dk, dv, dsinks
+def attention_grads_reference(q, k, v, dout, scale, *, sinks=None, **options):
+    """Float64 (dq, dk, dv, dsinks) of one sequence (tests/reference.py's backward
+    reference; dsinks zeros without sinks): q, dout (sq, H, D), k, v (sk, Hkv, D)."""
+    dq, dk, dv, dsinks = attention_backward_reference(q, k, v, dout, scale, sinks=sinks,
+                                                      **options)
+    return dq, dk, dv, (np.zeros(q.shape[1]) if dsinks is None else dsinks)
 
 
 def forward_reference(q, k, v, scale, **options):

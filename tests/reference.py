@@ -52,6 +52,23 @@ def check_attention(out, lse, ref, ref_lse, dtype, lse_rtol=1e-4):
     assert np.allclose(got_lse[fin], ref_lse[fin], rtol=lse_rtol, atol=1e-3)
 
 
+def visible(sq: int, sk: int, causal: bool, window: tuple[int, int]) -> np.ndarray:
+    """(sq, sk) bool: the keys each query sees. Query i sits at position i + sk - sq
+    (bottom-right); causal keeps j <= that, window (left, right) keeps position - left <= j
+    <= position + right (-1: unbounded)."""
+    pos = np.arange(sq)[:, None] + sk - sq
+    j = np.arange(sk)[None, :]
+    left, right = window
+    if causal:
+        right = 0
+    seen = np.ones((sq, sk), bool)
+    if right >= 0:
+        seen &= j <= pos + right
+    if left >= 0:
+        seen &= j >= pos - left
+    return seen
+
+
 def attention_reference(q, k, v, scale, *, causal=False, window=(-1, -1), softcap=0.0,
                         alibi=None, sinks=None):
     """Float64 attention of one sequence, every option of the attention functions.
@@ -69,14 +86,7 @@ def attention_reference(q, k, v, scale, *, causal=False, window=(-1, -1), softca
     group = nheads // nkv
     pos = np.arange(sq)[:, None] + sk - sq                 # (sq, 1) query positions
     j = np.arange(sk)[None, :]
-    left, right = window
-    if causal:
-        right = 0
-    visible = np.ones((sq, sk), bool)
-    if right >= 0:
-        visible &= j <= pos + right
-    if left >= 0:
-        visible &= j >= pos - left
+    seen = visible(sq, sk, causal, window)
     out = np.zeros(q.shape)
     lse = np.full((nheads, sq), -np.inf)
     for h in range(nheads):
@@ -85,7 +95,7 @@ def attention_reference(q, k, v, scale, *, causal=False, window=(-1, -1), softca
             s = softcap * np.tanh(s / softcap)
         if alibi is not None:
             s = s - float(alibi[h]) * np.abs(pos - j)
-        s = np.where(visible, s, -np.inf)
+        s = np.where(seen, s, -np.inf)
         m = s.max(axis=1, initial=-np.inf)
         if sinks is not None:
             m = np.maximum(m, float(sinks[h]))
@@ -119,14 +129,7 @@ def attention_backward_reference(q, k, v, dout, scale, *, causal=False, window=(
     group = nheads // nkv
     pos = np.arange(sq)[:, None] + sk - sq
     j = np.arange(sk)[None, :]
-    left, right = window
-    if causal:
-        right = 0
-    visible = np.ones((sq, sk), bool)
-    if right >= 0:
-        visible &= j <= pos + right
-    if left >= 0:
-        visible &= j >= pos - left
+    seen = visible(sq, sk, causal, window)
     dq, dk, dv = np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape)
     dsinks = np.zeros(nheads) if sinks is not None else None
     for h in range(nheads):
@@ -136,7 +139,7 @@ def attention_backward_reference(q, k, v, dout, scale, *, causal=False, window=(
         z = softcap * t if softcap > 0 else s
         if alibi is not None:
             z = z - float(alibi[h]) * np.abs(pos - j)
-        z = np.where(visible, z, -np.inf)
+        z = np.where(seen, z, -np.inf)
         m = z.max(axis=1, initial=-np.inf)
         if sinks is not None:
             m = np.maximum(m, float(sinks[h]))

@@ -21,23 +21,14 @@ import cuattn  # noqa: E402
 from cuattn import tuning, tuning_bwd  # noqa: E402
 from cuattn.jit import arch_of_device, build  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bwd_parts import timed  # noqa: E402
+
 BF16 = ml_dtypes.bfloat16
 CANDIDATES = {   # head dim -> FlashBwdTiles (block_m, num_warps, q_chunk)
     64: [(128, 8, 32), (128, 8, 64), (64, 8, 64), (64, 8, 32)],
     128: [(64, 8, 32), (64, 8, 64), (64, 8, 16), (32, 8, 32)],
 }
-
-
-def timed(fn, reps=15):
-    fn()
-    cupy.cuda.Device().synchronize()
-    start, end = cupy.cuda.Event(), cupy.cuda.Event()
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    end.synchronize()
-    return cupy.cuda.get_elapsed_time(start, end) / reps
 
 
 def main():
