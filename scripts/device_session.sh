@@ -8,6 +8,9 @@
 #   scripts/device_session.sh OUTDIR peers      the flash suite (cuattn, FA2, cuDNN; both methods)
 #   scripts/device_session.sh OUTDIR prefill    the prefill suite, then bench/lab/prefill_sweep.py
 #   scripts/device_session.sh OUTDIR sanitize   scripts/sanitize.sh (TOOLS=... to pick)
+#   scripts/device_session.sh OUTDIR bwd        the backward's and its adapters' GPU tests,
+#                                               the backward fuzz, then the bwd suite (its
+#                                               FA3 column where PYTHONPATH has the wheel)
 # The test stages run as SHARDS (default 12) pytest processes (scripts/pytest_shards.py), so
 # that kernels compile in parallel; PYTEST_ARGS / FUZZ_ARGS narrow them (-k ..., node ids).
 # Several stages in one call: scripts/device_session.sh OUTDIR tests fuzz. Each stage runs
@@ -63,6 +66,13 @@ for stage in "$@"; do
       run prefill "${PREFILL_TIMEOUT:-300}" python3 bench/run.py --suite prefill \
           --json "$out/prefill.json"
       run sweep "${SWEEP_TIMEOUT:-240}" python3 bench/lab/prefill_sweep.py ;;
+    bwd)
+      shards bwd_tests "${BWD_TIMEOUT:-300}" -m gpu -rfE tests/test_flash_bwd.py \
+          tests/test_adapters.py tests/test_adapters_jax.py tests/test_adapters_torch.py \
+          "tests/test_fuzz.py::test_fuzz[flash_backward]" \
+          "tests/test_fuzz.py::test_fuzz[flash_varlen_backward]"
+      run bwd_suite "${BWD_SUITE_TIMEOUT:-240}" python3 bench/run.py --suite bwd \
+          --json "$out/bwd.json" ;;
     sanitize)
       run sanitize "${SANITIZE_TIMEOUT_ALL:-540}" bash scripts/sanitize.sh "$out" ;;
     *)
