@@ -647,6 +647,19 @@ def _shipped_flash() -> list:
                         out.append(flash_sm90_variant(dt, hd, mask=mask, split=split, tma=True,
                                                       seqlen_q=seqlen_q))
             out.append(flash_combine_variant(dt, hd))
+    return out + _shipped_flash_backward()
+
+
+def _shipped_flash_backward() -> list:
+    """flash_backward at head dims 64 and 128, causal or not, both tables' tiles, and its
+    row kernels (a training step's defaults)."""
+    from .tuning_bwd import flash_bwd_row_variants, flash_bwd_variant
+    out = []
+    for dt in ("f16", "bf16"):
+        for hd in (64, 128):
+            out += [flash_bwd_variant(dt, hd, mask=mask, arch=arch)
+                    for arch in FLASH_TABLE_ARCHS for mask in (MASK_NONE, MASK_CAUSAL)]
+            out += flash_bwd_row_variants(dt, hd)
     return out
 
 
