@@ -553,12 +553,16 @@ __device__ __forceinline__ bool bwd_row(const FlashBwdParams& p, BwdRow& r) {
 // Grid: (ceil(total_q * num_heads / ROWS_PER_BLOCK)), block: (THREADS).
 // Per (token, head) row: D = rowsum(dO * O) in fp32, lse2 = lse * log2(e) (+inf for -inf: a
 // row that saw no key has P = 0 everywhere), and its dq_accum rows zeroed in every slice.
+// Varlen rows outside every sequence (which the forward never wrote) are not read: D = 0,
+// lse2 = +inf.
 template <typename Tr>
 __device__ void flash_bwd_prep_kernel(const FlashBwdParams& p) {
   using T = typename Tr::T;
   BwdRow r;
   if (!bwd_row<Tr>(p, r)) return;
   const int lane = threadIdx.x % 32;
+  const int* cu = static_cast<const int*>(p.cu_seqlens_q);
+  const bool covered = cu == nullptr || (r.tok >= cu[0] && r.tok < cu[p.batch]);
   const T* o = static_cast<const T*>(p.out) + r.b * p.o_stride_batch + r.i * p.o_stride_row +
                r.h * p.o_stride_head;
   const T* d = static_cast<const T*>(p.dout) + r.b * p.do_stride_batch + r.i * p.do_stride_row +
@@ -566,7 +570,7 @@ __device__ void flash_bwd_prep_kernel(const FlashBwdParams& p) {
   float acc = 0.f;
 #pragma unroll
   for (int c = lane * 8; c < Tr::HEAD_DIM; c += 256) {
-    if (c < p.head_dim) {
+    if (covered && c < p.head_dim) {
       float fo[8], fd[8];
       unpack16<T>(load16(o + c), fo);
       unpack16<T>(load16(d + c), fd);
@@ -579,9 +583,10 @@ __device__ void flash_bwd_prep_kernel(const FlashBwdParams& p) {
   const long long w = (long long)r.h * p.total_q + r.tok;
   if (lane == 0) {
     static_cast<float*>(p.dsum)[w] = acc;
-    const float l = static_cast<const float*>(p.lse)[r.b * p.lse_stride_batch +
-                                                     r.h * p.lse_stride_head +
-                                                     r.i * p.lse_stride_row];
+    const float l = covered ? static_cast<const float*>(p.lse)[r.b * p.lse_stride_batch +
+                                                               r.h * p.lse_stride_head +
+                                                               r.i * p.lse_stride_row]
+                            : neg_inf();
     static_cast<float*>(p.lse2)[w] = l == neg_inf() ? -neg_inf() : l * kLog2e;
   }
   float* acc_row = static_cast<float*>(p.dq_accum) + (r.tok * p.num_heads + r.h) * p.head_dim;
