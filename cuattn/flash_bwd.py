@@ -67,16 +67,6 @@ def flash_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, m
 
 # ---- checks ---------------------------------------------------------------------------------
 
-def _check_like(x, ref, name: str, ref_name: str, doc: str) -> None:
-    """dout / out: the shape and dtype of q, a contiguous last dim, 16-byte vectors."""
-    if x.shape != ref.shape:
-        raise ValueError(f"{name}: expected the shape of {ref_name} {tuple(ref.shape)} {doc}, "
-                         f"got {tuple(x.shape)}")
-    A.check_dtype(x, ref.dtype, name)
-    A.check_last_dim_contiguous(x, name)
-    A.check_aligned(x, 16, name)
-
-
 def _check_lse(lse, shape: tuple, doc: str) -> None:
     A.check_ndim(lse, len(shape), "lse", doc)
     A.check_dtype(lse, np.float32, "lse")
@@ -95,14 +85,14 @@ def _common_checks(arrays, ndim, doc_q, doc_kv, lse_shape, lse_doc, causal, soft
     """The checks flash_backward and flash_varlen_backward share; -> what _plan needs."""
     dout, q, k, v, out, lse = arrays[:6]
     dtype = _check_qkv(q, k, v, ndim, doc_q, doc_kv)
-    _check_like(out, q, "out", "q", doc_q)
-    _check_like(dout, q, "dout", "q", doc_q)
+    device_id = q.device.id
+    for name, x in (("out", out), ("dout", dout)):     # like q, read in 16-byte vectors
+        A.check_output(x, q.shape, q.dtype, name, doc_q, device_id, align=16)
     _check_lse(lse, lse_shape, lse_doc)
     softmax_scale, left, right, _, _ = _check_options(causal, softmax_scale, window_size, 0,
                                                       False, q.shape[-1])
     deterministic = _check_deterministic(deterministic)
-    device_id = q.device.id
-    A.check_same_device({"dout": dout, "out": out, "lse": lse}, device_id)
+    A.check_same_device({"lse": lse}, device_id)
     return dtype, softmax_scale, left, right, deterministic, device_id
 
 
@@ -165,10 +155,8 @@ def _stride_fields(arrays, grads, varlen: bool) -> dict:
     those of the gradients the call allocates as their contiguous layout."""
     dout, q, k, v, out, lse = arrays[:6]
     fields = {}
-    named = dict(q=q, k=k, v=v, o=out, do=dout)
-    for name, x in named.items():
-        s = A.element_strides(x)
-        fields.update(_bsh(name, s, varlen))
+    for name, x in dict(q=q, k=k, v=v, o=out, do=dout).items():
+        fields.update(_bsh(name, A.element_strides(x), varlen))
     for name, x, ref in (("dq", grads[0], q), ("dk", grads[1], k), ("dv", grads[2], k)):
         fields.update(_bsh(name, A.element_strides_or_contiguous(x, ref.shape), varlen))
     ls = A.element_strides(lse)

@@ -226,19 +226,19 @@ struct BwdBlock {
   // for .trans B; B rows (b_row, chunk 2 s + (lane / 8) % 2), also for .trans A of dS.
   int a_row, b_row;
   SwizzledSteps<D_CHUNKS, true> a_steps, b_steps;
-  // dQ: this warp's row tile and column group; the byte offset of its dS^T chunk in a row
-  // (2 dq_rt + (lane / 8) % 2), and K's .trans steps from a step index known only at run
-  // time (the compact form: no per-lane table to index)
+  // (The compact step form: one register each, and a step index known only at run time, as
+  // dQ's column group gives K's .trans steps, needs no per-lane table to index.)
+  // dQ: this warp's row tile and column group, and the byte offset of its dS^T chunk in a row
+  // (2 dq_rt + (lane / 8) % 2).
   int dq_rt, dq_grp;
   u32 ds_lane;
-  SwizzledSteps<D_CHUNKS, true> k_steps_dq;
   // The key tile: its first key, this warp's first key, the query tiles [m_lo, m_lo + n_m)
   // that see any of its keys, [full_lo, full_hi) that see all (no mask), and the steps
   // (query head of the group, query tile).
   int n0, key0, m_lo, n_m, full_lo, full_hi, n_iter;
 
   __device__ __forceinline__ BwdBlock(const FlashBwdParams& params, unsigned char* smem)
-      : p(params), mask(0, 0, 0, 0), a_steps(0, 0), b_steps(0, 0), k_steps_dq(0, 0) {
+      : p(params), mask(0, 0, 0, 0), a_steps(0, 0), b_steps(0, 0) {
     s_k = smem_addr(smem);
     s_v = s_k + Tr::KV_TILE_BYTES;
     s_stages = s_v + Tr::KV_TILE_BYTES;
@@ -274,7 +274,6 @@ struct BwdBlock {
     dq_rt = warp % Tr::DQ_ROW_TILES;
     dq_grp = warp / Tr::DQ_ROW_TILES;
     ds_lane = swizzled_offset<Tr::M_CHUNKS>(b_row, 2 * dq_rt + (lane / 8) % 2);
-    k_steps_dq = SwizzledSteps<D_CHUNKS, true>(a_row, lane / 16);
   }
 
   __device__ __forceinline__ void start_tile(int n) {
@@ -458,7 +457,7 @@ struct BwdBlock {
       for (int dp = 0; dp < Tr::DQ_N_TILES / 2; ++dp) {
         u32 bf[4];
         ldmatrix_x4_trans(bf, s_k + (kk * 16 + a_row) * D_CHUNKS * 16 +
-                                  k_steps_dq.at(dq_grp * Tr::DQ_N_TILES / 2 + dp));
+                                  a_steps.at(dq_grp * Tr::DQ_N_TILES / 2 + dp));
         mma_m16n8k16<T>(acc[2 * dp], af, bf[0], bf[1]);
         mma_m16n8k16<T>(acc[2 * dp + 1], af, bf[2], bf[3]);
       }
@@ -496,10 +495,15 @@ __device__ void flash_bwd_kernel(const FlashBwdParams& p) {
   extern __shared__ __align__(128) unsigned char smem[];
   BwdBlock<Tr> blk(p, smem);
   const int b = blockIdx.z;
+  // (varlen: sequence b's keys start at cu_seqlens_k[b], as BwdBlock's kr.start)
   T* dk_seq = static_cast<T*>(p.dk) + b * p.dk_stride_batch + blk.kvh * p.dk_stride_head +
-              (p.cu_seqlens_k == nullptr ? 0 : (long long)static_cast<const int*>(p.cu_seqlens_k)[b] * p.dk_stride_row);
+              (p.cu_seqlens_k == nullptr
+                   ? 0
+                   : (long long)static_cast<const int*>(p.cu_seqlens_k)[b] * p.dk_stride_row);
   T* dv_seq = static_cast<T*>(p.dv) + b * p.dv_stride_batch + blk.kvh * p.dv_stride_head +
-              (p.cu_seqlens_k == nullptr ? 0 : (long long)static_cast<const int*>(p.cu_seqlens_k)[b] * p.dv_stride_row);
+              (p.cu_seqlens_k == nullptr
+                   ? 0
+                   : (long long)static_cast<const int*>(p.cu_seqlens_k)[b] * p.dv_stride_row);
   for (int n = blockIdx.x; n * Tr::BLOCK_N < blk.sk; n += gridDim.x) {
     blk.start_tile(n);
     if constexpr (Tr::PASSES == 1) {
@@ -538,7 +542,19 @@ struct BwdRow {
   long long tok;
   int h;
   long long b, i;
+  // The element offset of this row in a (batch, row, head) strided array.
+  __device__ __forceinline__ long long at(long long s_batch, long long s_row,
+                                          long long s_head) const {
+    return b * s_batch + i * s_row + h * s_head;
+  }
+  // Its row of dq_accum's slice 0; slice s is s * dq_slice(p) floats further.
+  __device__ __forceinline__ float* accum(const FlashBwdParams& p) const {
+    return static_cast<float*>(p.dq_accum) + (tok * p.num_heads + h) * p.head_dim;
+  }
 };
+__device__ __forceinline__ long long dq_slice(const FlashBwdParams& p) {
+  return (long long)p.total_q * p.num_heads * p.head_dim;
+}
 template <typename Tr>
 __device__ __forceinline__ bool bwd_row(const FlashBwdParams& p, BwdRow& r) {
   const long long row = (long long)blockIdx.x * Tr::ROWS_PER_BLOCK + threadIdx.x / 32;
@@ -548,6 +564,14 @@ __device__ __forceinline__ bool bwd_row(const FlashBwdParams& p, BwdRow& r) {
   r.b = r.tok / p.seqlen_q;
   r.i = r.tok - r.b * p.seqlen_q;
   return true;
+}
+
+// The tokens the sequences cover: all of them at fixed length, [cu[0], cu[batch]) varlen
+// (the forward never writes the rows outside).
+__device__ __forceinline__ SeqRange covered_tokens(const FlashBwdParams& p) {
+  const int* cu = static_cast<const int*>(p.cu_seqlens_q);
+  if (cu == nullptr) return {0, p.total_q};
+  return {cu[0], cu[p.batch] - cu[0]};
 }
 
 // Grid: (ceil(total_q * num_heads / ROWS_PER_BLOCK)), block: (THREADS).
@@ -561,12 +585,11 @@ __device__ void flash_bwd_prep_kernel(const FlashBwdParams& p) {
   BwdRow r;
   if (!bwd_row<Tr>(p, r)) return;
   const int lane = threadIdx.x % 32;
-  const int* cu = static_cast<const int*>(p.cu_seqlens_q);
-  const bool covered = cu == nullptr || (r.tok >= cu[0] && r.tok < cu[p.batch]);
-  const T* o = static_cast<const T*>(p.out) + r.b * p.o_stride_batch + r.i * p.o_stride_row +
-               r.h * p.o_stride_head;
-  const T* d = static_cast<const T*>(p.dout) + r.b * p.do_stride_batch + r.i * p.do_stride_row +
-               r.h * p.do_stride_head;
+  const SeqRange tokens = covered_tokens(p);
+  const bool covered = r.tok >= tokens.start && r.tok < tokens.start + tokens.len;
+  const T* o = static_cast<const T*>(p.out) + r.at(p.o_stride_batch, p.o_stride_row, p.o_stride_head);
+  const T* d = static_cast<const T*>(p.dout) +
+               r.at(p.do_stride_batch, p.do_stride_row, p.do_stride_head);
   float acc = 0.f;
 #pragma unroll
   for (int c = lane * 8; c < Tr::HEAD_DIM; c += 256) {
@@ -583,14 +606,13 @@ __device__ void flash_bwd_prep_kernel(const FlashBwdParams& p) {
   const long long w = (long long)r.h * p.total_q + r.tok;
   if (lane == 0) {
     static_cast<float*>(p.dsum)[w] = acc;
-    const float l = covered ? static_cast<const float*>(p.lse)[r.b * p.lse_stride_batch +
-                                                               r.h * p.lse_stride_head +
-                                                               r.i * p.lse_stride_row]
+    const float l = covered ? static_cast<const float*>(p.lse)[r.at(
+                                  p.lse_stride_batch, p.lse_stride_row, p.lse_stride_head)]
                             : neg_inf();
     static_cast<float*>(p.lse2)[w] = l == neg_inf() ? -neg_inf() : l * kLog2e;
   }
-  float* acc_row = static_cast<float*>(p.dq_accum) + (r.tok * p.num_heads + r.h) * p.head_dim;
-  const long long slice = (long long)p.total_q * p.num_heads * p.head_dim;
+  float* acc_row = r.accum(p);
+  const long long slice = dq_slice(p);
   for (int s = 0; s < p.dq_slices; ++s) {
     for (int c = lane * 4; c < p.head_dim; c += 128) {
       *reinterpret_cast<float4*>(acc_row + s * slice + c) = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -606,11 +628,9 @@ __device__ void flash_bwd_dq_kernel(const FlashBwdParams& p) {
   BwdRow r;
   if (!bwd_row<Tr>(p, r)) return;
   const int lane = threadIdx.x % 32;
-  const float* acc_row = static_cast<const float*>(p.dq_accum) +
-                         (r.tok * p.num_heads + r.h) * p.head_dim;
-  const long long slice = (long long)p.total_q * p.num_heads * p.head_dim;
-  T* dq = static_cast<T*>(p.dq) + r.b * p.dq_stride_batch + r.i * p.dq_stride_row +
-          r.h * p.dq_stride_head;
+  const float* acc_row = r.accum(p);
+  const long long slice = dq_slice(p);
+  T* dq = static_cast<T*>(p.dq) + r.at(p.dq_stride_batch, p.dq_stride_row, p.dq_stride_head);
 #pragma unroll
   for (int c = lane * 4; c < Tr::HEAD_DIM; c += 128) {
     if (c < p.head_dim) {
@@ -636,9 +656,8 @@ template <typename Tr>
 __device__ void flash_bwd_dsinks_kernel(const FlashBwdParams& p) {
   __shared__ float warp_sums[Tr::THREADS / 32];
   const int h = blockIdx.x, tid = threadIdx.x;
-  const int* cu = static_cast<const int*>(p.cu_seqlens_q);
-  const int lo = cu == nullptr ? 0 : cu[0];
-  const int hi = cu == nullptr ? p.total_q : cu[p.batch];
+  const SeqRange tokens = covered_tokens(p);
+  const int lo = tokens.start, hi = tokens.start + tokens.len;
   const float sink2 = static_cast<const float*>(p.sinks)[h] * kLog2e;
   const float* lse2 = static_cast<const float*>(p.lse2) + (long long)h * p.total_q;
   const float* dsum = static_cast<const float*>(p.dsum) + (long long)h * p.total_q;

@@ -34,3 +34,16 @@ def need_module(name: str, install: str):
         return importlib.import_module(name)
     except ImportError:
         cannot_run(f"{name} is not installed ({install})")
+
+
+def need_jax_gpu():
+    """jax with a GPU backend (and room left for CuPy), or exit saying what is missing."""
+    import os
+    # JAX takes 75% of the GPU's memory at start-up by default: leave some to CuPy.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    jax = need_module("jax", 'pip install "jax[cuda12]"')
+    try:
+        jax.devices("gpu")
+    except RuntimeError as exc:
+        cannot_run(f"this jax {jax.__version__} has no GPU backend ({exc})")
+    return jax

@@ -9,22 +9,15 @@ takes the same (batch, seqlen, heads, headdim) layout (and the same GQA rule).
 """
 from __future__ import annotations
 
-import os
 import sys
 
-from _example import cannot_run, need_gpu, need_module
+from _example import need_gpu, need_jax_gpu
 
-# JAX takes 75% of the GPU's memory at start-up by default: leave some to CuPy.
-os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 
 def main() -> int:
     need_gpu()
-    jax = need_module("jax", 'pip install "jax[cuda12]"')
-    try:
-        jax.devices("gpu")
-    except RuntimeError as exc:
-        cannot_run(f"this jax {jax.__version__} has no GPU backend ({exc})")
+    jax = need_jax_gpu()
     import cupy as cp
     import jax.numpy as jnp
 

@@ -11,30 +11,20 @@ loss at the end below half the loss at the start.
 """
 from __future__ import annotations
 
-import os
 import sys
 import time
 
-from _example import cannot_run, need_gpu, need_module
+from _example import need_gpu, need_jax_gpu
 
-# JAX takes 75% of the GPU's memory at start-up by default: leave some to CuPy.
-os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 VOCAB, DIM, HEADS, LAYERS, SEQ, BATCH, STEPS = 64, 256, 4, 2, 256, 16, 300
 
 
 def main() -> int:
     need_gpu()
-    jax = need_module("jax", 'pip install "jax[cuda12]"')
-    try:
-        jax.devices("gpu")
-    except RuntimeError as exc:
-        cannot_run(f"this jax {jax.__version__} has no GPU backend ({exc})")
+    jax = need_jax_gpu()
     import jax.numpy as jnp
 
-    import cuattn
-    if not hasattr(cuattn, "flash_backward"):
-        cannot_run(f"this cuattn {cuattn.__version__} has no flash_backward")
     import cuattn.jax
 
     def cuattn_attention(q, k, v):

@@ -95,17 +95,27 @@ def attention_reference(q, k, v, scale, *, causal=False, window=(-1, -1), softca
             s = softcap * np.tanh(s / softcap)
         if alibi is not None:
             s = s - float(alibi[h]) * np.abs(pos - j)
-        s = np.where(seen, s, -np.inf)
-        m = s.max(axis=1, initial=-np.inf)
-        if sinks is not None:
-            m = np.maximum(m, float(sinks[h]))
-        safe = np.where(np.isinf(m), 0.0, m)
-        p = np.exp(s - safe[:, None])
-        denom = p.sum(axis=1) + (np.exp(float(sinks[h]) - safe) if sinks is not None else 0.0)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            out[:, h] = np.where(denom[:, None] > 0, (p @ v[:, h // group]) / denom[:, None], 0.0)
-            lse[h] = np.where(denom > 0, safe + np.log(denom), -np.inf)
+        p, _, lse[h] = _softmax(np.where(seen, s, -np.inf),
+                                None if sinks is None else float(sinks[h]))
+        out[:, h] = p @ v[:, h // group]
     return out, lse
+
+
+def _softmax(z, sink):
+    """Rows of logits z (-inf: masked) and a sink logit or None -> (P, P of the sink or None,
+    lse); a row that sees nothing (no key, no sink) gets P = 0 and lse = -inf."""
+    m = z.max(axis=1, initial=-np.inf)
+    if sink is not None:
+        m = np.maximum(m, sink)
+    safe = np.where(np.isinf(m), 0.0, m)
+    e = np.exp(z - safe[:, None])
+    e_sink = np.exp(sink - safe) if sink is not None else 0.0
+    denom = e.sum(axis=1) + e_sink
+    with np.errstate(invalid="ignore", divide="ignore"):
+        p = np.where(denom[:, None] > 0, e / denom[:, None], 0.0)
+        p_sink = np.where(denom > 0, e_sink / denom, 0.0) if sink is not None else None
+        lse = np.where(denom > 0, safe + np.log(denom), -np.inf)
+    return p, p_sink, lse
 
 
 def attention_backward_reference(q, k, v, dout, scale, *, causal=False, window=(-1, -1),
@@ -139,17 +149,8 @@ def attention_backward_reference(q, k, v, dout, scale, *, causal=False, window=(
         z = softcap * t if softcap > 0 else s
         if alibi is not None:
             z = z - float(alibi[h]) * np.abs(pos - j)
-        z = np.where(seen, z, -np.inf)
-        m = z.max(axis=1, initial=-np.inf)
-        if sinks is not None:
-            m = np.maximum(m, float(sinks[h]))
-        safe = np.where(np.isinf(m), 0.0, m)
-        e = np.exp(z - safe[:, None])
-        denom = e.sum(axis=1) + (np.exp(float(sinks[h]) - safe) if sinks is not None else 0.0)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            p = np.where(denom[:, None] > 0, e / denom[:, None], 0.0)
-            p_sink = (np.where(denom > 0, np.exp(float(sinks[h]) - safe) / denom, 0.0)
-                      if sinks is not None else None)
+        p, p_sink, _ = _softmax(np.where(seen, z, -np.inf),
+                                None if sinks is None else float(sinks[h]))
         p = rnd(p)
         out = rnd(p @ vh)
         dp = rnd(dout[:, h] @ vh.T)
