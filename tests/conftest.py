@@ -8,6 +8,11 @@ import os
 
 import pytest
 
+# JAX takes three quarters of a GPU's memory at its first call unless told otherwise; the
+# adapter tests share the device with the other test processes (scripts/pytest_shards.py)
+# and with CuPy's pool in their own, so JAX allocates what it uses, as the examples do.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
 
 def _gpu_available() -> bool:
     try:
