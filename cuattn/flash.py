@@ -356,7 +356,7 @@ def _plan(c: Call) -> Plan:
             extra = _tma.FlashMaps(c.dtype.short, *c.qkv, qkv_slots, variant.block_n,
                                    counter_slot, kv=variant.kv, head_dim=variant.head_dim)
     fields = dict(k_stride_block=0, v_stride_block=0, k_stride_chunk=8, v_stride_dim=0,
-                  bt_stride_seq=0, block_shift=0, max_blocks_per_seq=0, v_scale=1.0)
+                  bt_stride_seq=0, block_shift=0, max_blocks_per_seq=0, new_keys=0, v_scale=1.0)
     fields.update(c.fields)
     tail = FLASH_PARAMS.tail(
         batch=c.batch, num_heads=nheads, head_group=nheads // c.nheads_kv, total_q=c.total_q,

@@ -16,8 +16,9 @@ from dataclasses import dataclass, replace
 from .variants import (FEAT_ALIBI, FEAT_PACK_GQA, FEAT_SOFTCAP, KV_DENSE,
                        MASK_CAUSAL, MASK_NONE, MASK_WINDOW, SM90_ARCH,
                        FlashCombineVariant, FlashFwdSm90Variant, FlashFwdVariant,
-                       FlashInferTablesVariant, MergeVariant, PagedMmaVariant,
-                       PagedReduceVariant, PagedSimtVariant, ReshapeCacheVariant)
+                       FlashInferTablesVariant, KvCacheAppendVariant, MergeVariant,
+                       PagedMmaVariant, PagedReduceVariant, PagedSimtVariant,
+                       ReshapeCacheVariant)
 
 # ---- overrides (sweeps and tests) ---------------------------------------------------------------
 
@@ -619,6 +620,16 @@ FLASHINFER_TABLES_NUM_THREADS = 128
 
 def flashinfer_tables_variant() -> FlashInferTablesVariant:
     return FlashInferTablesVariant(FLASHINFER_TABLES_NUM_THREADS)
+
+
+# flash_with_kvcache's append (cuda_src/kvcache_append.cuh): a block per new token, a
+# thread per 16-byte vector of its K and V rows. A first guess, not measured: the copy is
+# tokens x KV heads x head dim, next to nothing beside the attention after it.
+KVCACHE_APPEND_NUM_THREADS = 128
+
+
+def kvcache_append_variant(dtype: str) -> KvCacheAppendVariant:
+    return KvCacheAppendVariant(dtype, KVCACHE_APPEND_NUM_THREADS)
 
 
 # Shipped (precompiled) paged set: 16-bit caches of the activation dtype x these head sizes

@@ -29,7 +29,7 @@ FLASH_PARAMS = ParamsStruct("FlashFwdParams", [
     ("batch", "i32"), ("num_heads", "i32"), ("head_group", "i32"), ("seqlen_q", "i32"),
     ("seqlen_k", "i32"), ("total_q", "i32"), ("head_dim", "i32"), ("window_left", "i32"),
     ("window_right", "i32"), ("num_splits", "i32"), ("block_shift", "i32"),
-    ("max_blocks_per_seq", "i32"),
+    ("max_blocks_per_seq", "i32"), ("new_keys", "i32"),
     ("scale_log2", "f32"), ("softmax_scale_inv", "f32"), ("softcap_in", "f32"),
     ("softcap_out", "f32"), ("v_scale", "f32"), ("m_blocks", "i32"),
 ])
@@ -112,6 +112,17 @@ FLASHINFER_TABLES_PARAMS = ParamsStruct("FlashInferTablesParams", [
     ("block_tables", "out"), ("seq_lens", "out"),
     ("bt_stride_seq", "i64"),
     ("num_indices", "i32"), ("max_blocks_per_seq", "i32"), ("page_size", "i32"),
+])
+
+KVCACHE_APPEND_PARAMS = ParamsStruct("KvCacheAppendParams", [
+    ("k", "ptr"), ("v", "ptr"), ("cache_seqlens", "ptr"), ("cache_batch_idx", "ptr"),
+    ("k_cache", "out"), ("v_cache", "out"),
+    ("k_stride_batch", "i64"), ("k_stride_row", "i64"), ("k_stride_head", "i64"),
+    ("v_stride_batch", "i64"), ("v_stride_row", "i64"), ("v_stride_head", "i64"),
+    ("kc_stride_batch", "i64"), ("kc_stride_row", "i64"), ("kc_stride_head", "i64"),
+    ("vc_stride_batch", "i64"), ("vc_stride_row", "i64"), ("vc_stride_head", "i64"),
+    ("num_heads_kv", "i32"), ("head_dim", "i32"), ("seqlen_cache", "i32"),
+    ("batch_cache", "i32"), ("cache_len", "i32"),
 ])
 
 # Mask kinds of the flash kernel (cuda_src/common/mask.cuh kMask*).
@@ -632,6 +643,24 @@ class FlashInferTablesVariant(Variant):
 
     def traits_args(self):
         return (self.threads,)
+
+
+@dataclass(frozen=True)
+class KvCacheAppendVariant(Variant):
+    dtype: str
+    threads: int
+
+    op: ClassVar[str] = "kvcache_append"
+    header: ClassVar[str] = "kvcache_append.cuh"
+    kernel: ClassVar[str] = "kvcache_append_kernel"
+    traits: ClassVar[str] = "KvCacheAppendTraits"
+    params: ClassVar[ParamsStruct] = KVCACHE_APPEND_PARAMS
+
+    def name_parts(self):
+        return (self.dtype, f"t{self.threads}")
+
+    def traits_args(self):
+        return (BY_SHORT[self.dtype].cpp, self.threads)
 
 
 # ---- the shipped set -------------------------------------------------------------------------------

@@ -155,12 +155,14 @@ __device__ __forceinline__ SeqRange seq_range(const void* cu_seqlens, int b, int
 }
 
 // The keys of batch entry b: its slice of the packed K / V (cu_seqlens_k), the fixed
-// length, or for a paged cache (no offset) its seqused_k, clamped to its table's capacity.
+// length, or for a paged cache (no offset) its seqused_k plus the keys this call appended,
+// clamped to the capacity of its cache (seqlen_k).
 template <bool PAGED>
 __device__ __forceinline__ SeqRange key_range(const FlashFwdParams& p, int b) {
   if constexpr (PAGED) {
-    const int used = static_cast<const int*>(p.seqused_k)[b];
-    return {0, min(max(used, 0), p.max_blocks_per_seq << p.block_shift)};
+    const long long used =
+        (p.seqused_k ? static_cast<const int*>(p.seqused_k)[b] : 0) + (long long)p.new_keys;
+    return {0, int(min(max(used, 0LL), (long long)p.seqlen_k))};
   }
   return seq_range(p.cu_seqlens_k, b, p.seqlen_k);
 }

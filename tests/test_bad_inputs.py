@@ -938,6 +938,89 @@ ROWS += table(
 )
 
 
+def kvcache_kwargs(mk):
+    """flash_with_kvcache: 2 sequences of 3 new tokens, 4 query / 2 KV heads, a cache of 3
+    rows of 40 slots, the new keys appended."""
+    return dict(q=_randn(mk, (2, 3, 4, 64), BF16), k_cache=_randn(mk, (3, 40, 2, 64), BF16),
+                v_cache=_randn(mk, (3, 40, 2, 64), BF16), k=_randn(mk, (2, 3, 2, 64), BF16),
+                v=_randn(mk, (2, 3, 2, 64), BF16),
+                cache_seqlens=mk.array(np.array([5, 30], np.int32)),
+                cache_batch_idx=mk.array(np.array([2, 0], np.int32)))
+
+
+_KV_ROWS = dict(shape=(2,), dtype=np.int32)
+
+ROWS += table(
+    cuattn.flash_with_kvcache, kvcache_kwargs,
+    *types("q", "k_cache", "v_cache", "cache_seqlens"),
+    *types("k", "v", "cache_batch_idx", required=False),
+    *types("out", like="q", required=False),
+    *hook_rows(4),
+    # q: (batch, seqlen_q, nheads, head_size), float16 / bfloat16, rows that pack
+    ("q-float32", new("q", dtype=np.float32), TypeError, "q"),
+    ("q-rank3", new("q", shape=(6, 4, 64)), ValueError, "q"),
+    ("q-head_size-100", new("q", shape=(2, 3, 4, 100)), ValueError, "q"),
+    ("q-heads-not-a-multiple", new("q", shape=(2, 3, 3, 64)), ValueError, "k_cache"),
+    ("q-no-heads", new("q", shape=(2, 3, 0, 64)), ValueError, "q"),
+    ("q-strided", new("q", strided=True), ValueError, "q"),
+    ("q-misaligned", new("q", offset=2), ValueError, "q"),
+    ("q-rows-do-not-pack", make(q=lambda mk: mk.zeros((2, 4, 4, 64), BF16)[:, :3]),
+     ValueError, "q"),
+    # the caches: q's dtype, (batch_cache, seqlen_cache, nheads_kv, head_size), one buffer each
+    ("k_cache-f16", new("k_cache", "v_cache", dtype=F16), TypeError, "k_cache"),
+    ("k_cache-fp8", new("k_cache", "v_cache", dtype=np.uint8), TypeError, "k_cache"),
+    ("v_cache-f16", new("v_cache", dtype=F16), TypeError, "v_cache"),
+    ("k_cache-rank5", new("k_cache", shape=(3, 40, 2, 8, 8)), ValueError, "k_cache"),
+    ("v_cache-shape", new("v_cache", shape=(3, 41, 2, 64)), ValueError, "v_cache"),
+    ("k_cache-head_size", new("k_cache", "v_cache", shape=(3, 40, 2, 128)), ValueError,
+     "k_cache"),
+    ("k_cache-no-slots", new("k_cache", "v_cache", shape=(3, 0, 2, 64)), ValueError,
+     "k_cache"),
+    ("k_cache-no-rows", new("k_cache", "v_cache", shape=(0, 40, 2, 64)), ValueError,
+     "k_cache"),
+    ("k_cache-row-stride", make(k_cache=padded((3, 40, 2, 64), BF16, 4)), ValueError,
+     "k_cache"),
+    ("v_cache-strided", new("v_cache", strided=True), ValueError, "v_cache"),
+    # cache_seqlens / cache_batch_idx: int32 (batch,), or an int for cache_seqlens
+    ("cache_seqlens-int64", new("cache_seqlens", dtype=np.int64), TypeError, "cache_seqlens"),
+    ("cache_seqlens-float", put(cache_seqlens=3.0), TypeError, "cache_seqlens"),
+    ("cache_seqlens-bool", put(cache_seqlens=True), TypeError, "cache_seqlens"),
+    ("cache_seqlens-huge-int", put(cache_seqlens=2**40), ValueError, "cache_seqlens"),
+    ("cache_seqlens-length", new("cache_seqlens", shape=(3,)), ValueError, "cache_seqlens"),
+    ("cache_seqlens-rank2", new("cache_seqlens", shape=(2, 1)), ValueError, "cache_seqlens"),
+    ("cache_seqlens-strided", new("cache_seqlens", **_KV_ROWS, strided=True), ValueError,
+     "cache_seqlens"),
+    ("cache_seqlens-misaligned", new("cache_seqlens", **_KV_ROWS, offset=2), ValueError,
+     "cache_seqlens"),
+    ("cache_batch_idx-int64", new("cache_batch_idx", dtype=np.int64), TypeError,
+     "cache_batch_idx"),
+    ("cache_batch_idx-length", new("cache_batch_idx", shape=(1,)), ValueError,
+     "cache_batch_idx"),
+    # k, v: together, (batch, seqlen_new, nheads_kv, head_size) of q's dtype
+    ("k-without-v", put(v=None), ValueError, "v"),
+    ("v-without-k", put(k=None), ValueError, "k"),
+    ("k-f16", new("k", "v", dtype=F16), TypeError, "k"),
+    ("k-heads", new("k", "v", shape=(2, 3, 4, 64)), ValueError, "k"),
+    ("k-batch", new("k", "v", shape=(1, 3, 2, 64)), ValueError, "k"),
+    ("v-length", new("v", shape=(2, 2, 2, 64)), ValueError, "v"),
+    ("k-strided", new("k", strided=True), ValueError, "k"),
+    ("v-misaligned", new("v", offset=2), ValueError, "v"),
+    # options
+    ("causal-int", put(causal=1), TypeError, "causal"),
+    ("window_size-3", put(window_size=(1, 2, 3)), TypeError, "window_size"),
+    ("num_splits-negative", put(num_splits=-1), ValueError, "num_splits"),
+    ("softmax_scale-nan", put(softmax_scale=NAN), ValueError, "softmax_scale"),
+    ("out-shape", new("out", like="q", shape=(2, 3, 4, 32)), ValueError, "out"),
+    ("out-f16", new("out", like="q", dtype=F16), TypeError, "out"),
+    ("out-rows-do-not-pack", make(out=lambda mk: mk.zeros((2, 4, 4, 64), BF16)[:, :3]),
+     ValueError, "out"),
+    ("stream-str", put(stream="default"), TypeError, "stream", DEVICE),
+    # devices
+    *elsewhere("k_cache", "v_cache", "k", "v", "cache_seqlens", "cache_batch_idx"),
+    *elsewhere("out", like="q"),
+)
+
+
 def _params(rows):
     return [pytest.param(r, id=f"{r.fn.__name__}-{r.id}") for r in rows]
 
@@ -1015,6 +1098,10 @@ VALID_CALLS = [
     (cuattn.paged_attention, _nhd_paged(np.uint8, 128), "nhd-fp8"),
     (cuattn.paged_attention, _nhd_paged(BF16, 120), "nhd-head_size-120"),
     (cuattn.paged_prefill, prefill_kwargs, "plain"),
+    (cuattn.flash_with_kvcache, kvcache_kwargs, "plain"),
+    (cuattn.flash_with_kvcache,
+     lambda mk: {**kvcache_kwargs(mk), "k": None, "v": None, "cache_seqlens": 7,
+                 "cache_batch_idx": None, "causal": True}, "int-lengths"),
     (cuattn.reshape_and_cache, reshape_kwargs, "plain"),
     (cuattn.reshape_and_cache, _no_tokens, "no-tokens"),   # a plan that launches nothing
     (cuattn.block_tables_from_flashinfer, flashinfer_kwargs, "plain"),

@@ -124,16 +124,21 @@ def _plan(arrays, max_seqlen_q, causal, softmax_scale, window_size, softcap, k_s
 
 def flash_form_plan(q, k_cache, v_cache, block_tables, info, kv_layout, *, dtype, features,
                     softcap, softmax_scale, left, right, num_splits, k_scale, v_scale, out,
-                    return_lse, num_args, max_seqlen_q=1, causal=True, decode=False) -> Plan:
+                    return_lse, num_args, max_seqlen_q=1, causal=True, decode=False,
+                    capacity=None, new_keys=0, hopper_ok=True) -> Plan:
     """The flash form of a checked call: flash's _plan over a paged Call. paged_prefill's
     (arguments q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, alibi_slopes, sinks,
     out): the packed rows of cu_seqlens_q, max_seqlen_q the longest. decode (paged_attention's
     NHD calls the tensor-core form cannot take; arguments q .. seq_lens, alibi_slopes, sinks,
     out): one query per sequence, q (num_seqs, nheads, head_size) read as num_seqs batches of
     one row, no cu_seqlens_q, on the mma.sync kernel (the Hopper kernel's paged producer
-    takes packed rows)."""
+    takes packed rows). capacity: the most keys a sequence has (None: its table's); new_keys:
+    keys each sequence has past its seq_lens entry (FlashFwdParams.new_keys); hopper_ok:
+    False keeps the call on the mma.sync kernel."""
     total_q, nheads, _ = q.shape
     num_seqs = block_tables.shape[0]
+    if capacity is None:
+        capacity = block_tables.shape[1] * info.block_size
     head_size = info.head_size
     fp8 = info.cache == "e4m3"
     # fp8: the kernel widens K and V exactly (every e4m3 value is a 16-bit float); k_scale
@@ -168,11 +173,11 @@ def flash_form_plan(q, k_cache, v_cache, block_tables, info, kv_layout, *, dtype
         **rows, q_stride_head=qs[1], k_stride_batch=0, v_stride_batch=0, o_stride_head=os_[1],
         lse_stride_head=ls[0], bt_stride_seq=block_tables.strides[0] // 4,
         block_shift=info.block_size.bit_length() - 1, max_blocks_per_seq=max_blocks,
-        seqlen_k=0, v_scale=v_scale, **cache)
+        seqlen_k=capacity, new_keys=new_keys, v_scale=v_scale, **cache)
     group = nheads // info.num_kv_heads
     device_id = q.device.id
     arch = device_info(device_id).arch
-    hopper = not decode and tuning.paged_prefill_path(arch, head_size, kv_layout,
+    hopper = hopper_ok and not decode and tuning.paged_prefill_path(arch, head_size, kv_layout,
                                                       info.block_size, info.cache) == "wgmma" \
         and _tma.encodable(dtype.short, (q, k_cache, v_cache), kv_layout)
 
@@ -189,7 +194,7 @@ def flash_form_plan(q, k_cache, v_cache, block_tables, info, kv_layout, *, dtype
         lse_shape=lse_shape if return_lse else None, num_args=num_args, out_arg=num_args - 1,
         args=args, softmax_scale=softmax_scale, left=left, right=right,
         num_splits=num_splits, features=features, softcap=softcap, batch=num_seqs,
-        max_sq=max_seqlen_q, max_sk=max_blocks * info.block_size, total_q=total_q,
+        max_sq=max_seqlen_q, max_sk=capacity, total_q=total_q,
         fields=fields, variant_for=variant_for, pack=1 if hopper else group,
         qkv=(q, k_cache, v_cache) if hopper else None))
 

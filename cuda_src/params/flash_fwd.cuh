@@ -9,7 +9,7 @@ namespace cuattn {
 // b * stride_batch + i * stride_row. Varlen: stride_batch is 0, seqlen_q = total_q, and
 // the rows of batch b start at cu_seqlens_*[b].
 // Paged K/V (paged_prefill, FlashFwdTraits KV != kKvDense): cu_seqlens_k is null, batch b
-// has seqused_k[b] keys, and key j lives in cache block block_tables[b][j >> block_shift]
+// has seqused_k[b] + new_keys keys (at most seqlen_k), and key j lives in cache block block_tables[b][j >> block_shift]
 // at slot j & (2^block_shift - 1):
 //   NHD  K and V (num_blocks, block_size, num_heads_kv, head_dim): element d of key j at
 //        block * k_stride_block + slot * k_stride_row + kvh * k_stride_head + d;
@@ -47,14 +47,16 @@ struct FlashFwdParams {
   int num_heads;
   int head_group;             // num_heads / num_heads_kv: query head h reads kv head h / head_group
   int seqlen_q;               // fixed length (varlen: total_q)
-  int seqlen_k;               // fixed length (varlen: unused)
+  int seqlen_k;               // fixed length (varlen: unused; paged: the capacity of a sequence's keys)
   int total_q;                // rows of oaccum / lseaccum: batch * seqlen_q, or total_q
   int head_dim;               // actual head dim (multiple of 8, <= HEAD_DIM)
   int window_left;            // keys j >= i + sk - sq - window_left (a huge value = unbounded)
   int window_right;           // keys j <= i + sk - sq + window_right (a huge value = unbounded)
   int num_splits;             // split-KV: key tiles are divided among this many blocks
   int block_shift;            // paged: log2(block_size)
-  int max_blocks_per_seq;     // paged: block_tables.shape[1] (seqused_k is clamped to its capacity)
+  int max_blocks_per_seq;     // paged: block_tables.shape[1]
+  int new_keys;               // paged: keys appended after seqused_k[b] by this call (flash_with_kvcache's
+                              // k / v; a null seqused_k counts 0); their sum is clamped to seqlen_k
   float scale_log2;           // softmax_scale * log2(e)
   float softmax_scale_inv;    // 1 / softmax_scale: ALiBi slopes and sinks in raw-score units
   float softcap_in;           // softcap: softmax_scale / cap (common/logits.cuh)
