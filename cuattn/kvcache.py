@@ -41,7 +41,9 @@ _NEW_DOC = "(batch, seqlen_new, nheads_kv, head_size)"
 # The Hopper kernel takes a call whose query rows fill its row tiles (one query head per
 # tile: below this the mma.sync kernel, whose tiles pack the query heads of a KV head, does
 # more with each K/V byte) and whose rows fill its boxes (a TMA box of K / V is at most 256
-# keys of one cache row: cuattn/_tma.py paged_box_rows).
+# keys of one cache row: cuattn/_tma.py paged_box_rows; the maps' boxes come from
+# seqlen_cache, the kernel's from the block size, the power of two above it: they agree
+# while this bound is at least the Hopper kernel's widest key tile).
 _HOPPER_MIN_SEQLEN_Q = 64
 _HOPPER_MIN_SEQLEN_CACHE = 256
 
@@ -179,8 +181,9 @@ def _plan(arrays, cache_len, own_table, causal, softmax_scale, window_size, soft
         A.check_last_dim_contiguous(x, name)
         A.check_aligned(x, 16, name)
     if seqlens is None:
-        if not -_INT32_MAX <= cache_len <= _INT32_MAX:
-            raise ValueError(f"cache_seqlens: {cache_len} does not fit in int32")
+        if not 0 <= cache_len <= seqlen_cache:
+            raise ValueError(f"cache_seqlens: an int must be in [0, seqlen_cache = "
+                             f"{seqlen_cache}], got {cache_len}")
     else:
         _check_int32_rows(seqlens, batch, "cache_seqlens")
     if not own_table:
@@ -189,6 +192,9 @@ def _plan(arrays, cache_len, own_table, causal, softmax_scale, window_size, soft
     A.check_same_device({"k_cache": k_cache, "v_cache": v_cache, "cache_seqlens": seqlens,
                          "cache_batch_idx": table if not own_table else None}, device_id)
     seqlen_new = _check_new(k, v, batch, nheads_kv, head_size, q.dtype, device_id)
+    if seqlen_new > seqlen_cache:
+        raise ValueError(f"k: seqlen_new {seqlen_new} is longer than the cache's rows "
+                         f"(seqlen_cache {seqlen_cache})")
     softmax_scale, left, right, num_splits, return_lse = _check_options(
         causal, softmax_scale, window_size, num_splits, return_lse, head_size)
     features, softcap = check_hooks(softcap, alibi_slopes, sinks, nheads, device_id)

@@ -134,7 +134,7 @@ def test_hooks_windows_splits(rng, path, num_splits, hooks):
     nheads = 8
     opts, ref_opts = {}, {}
     if hooks == "window":
-        opts = ref_opts = dict(window_size=(300, 0))
+        opts, ref_opts = dict(window_size=(300, 0)), dict(window=(300, 0))
     else:
         alibi = rng.uniform(0.01, 0.2, nheads).astype(np.float32)
         sinks = rng.standard_normal(nheads).astype(np.float32)
