@@ -356,6 +356,12 @@ PREFILL_FEW_ROWS = {16: FlashTiles(16, 32, 1, 3), 32: FlashTiles(32, 32, 2, 3),
                     64: FlashTiles(64, 64, 4, 2)}
 PREFILL_FEW_ROWS_WIDE = {32: FlashTiles(32, 32, 2, 2)}
 PREFILL_WIDE = FlashTiles(64, 32, 4, 2)
+# Long chunks at the head dims only paged_prefill's flash form reaches below and above decode's
+# (first guesses from the ptxas report, NVRTC 13.0, sm_90; not measured): ptxas capped some
+# forms of the tiles the rules below give at 128-168 registers and spilled 4-20 B (hd32's
+# 64x128 window form with every hook over NHD, 64x64 over vLLM's; hd160's 64x32 in three
+# forms). These spill in none of the 16 long-chunk forms. smem 36 KB / 60 KB.
+PREFILL_LONG_BY_DIM = {32: FlashTiles(64, 128, 4, 2, softmax=1), 160: FlashTiles(64, 64, 4, 2)}
 # Long chunks at hd128, causal, no hooks, no split (the common prefill call): 128 rows per
 # block (MEASURED, bench/lab/prefill_sweep.py, H200, NHD, ctx 16384: 128x32x4w3s 332 TFLOP/s,
 # 128x64x4w2s 348, 64x64x4w2s 288; the dense call 334). With Q re-read from shared memory
@@ -373,6 +379,8 @@ def paged_prefill_tiles(arch: str, head_dim: int, rows: int, mask: int = MASK_CA
     for limit, tiles in few.items():
         if rows <= limit:
             return tiles
+    if head_dim in PREFILL_LONG_BY_DIM:
+        return PREFILL_LONG_BY_DIM[head_dim]
     if head_dim > 128:
         return PREFILL_WIDE
     if head_dim == 128 and mask == MASK_CAUSAL and not split and not features & ~FEAT_PACK_GQA:
@@ -454,6 +462,10 @@ def paged_multi_token(head_size: int, gqa_ratio: int, max_seqlen_q: int) -> tupl
 
 
 # ---- paged (paged_attention / reshape_and_cache) -------------------------------------------------
+# The head sizes of the decode kernels (paged_attention's two forms, and multi-token decode):
+# those they are compiled and tested for (cuattn.paged.layout.HEAD_SIZES). paged_prefill's
+# flash form and reshape_and_cache take every multiple of 8 up to 256.
+PAGED_DECODE_HEAD_SIZES = (64, 80, 96, 112, 120, 128, 192, 256)
 # Query heads served by one thread block: the largest divisor of the GQA ratio <= this.
 # Every K/V byte is read num_heads / num_kv_heads / group times (once for ratios <= 8).
 PAGED_MAX_GROUP = 8
@@ -473,8 +485,9 @@ def paged_group(gqa_ratio: int, limit: int = PAGED_MAX_GROUP) -> int:
 # 1 x 32768 p1024 92 -> 94. So every group.
 def tensor_core_decode_fits(cache_dtype: str, head_size: int) -> bool:
     """Whether the tensor-core decode kernel (paged_attention's mma form, multi-token decode)
-    takes this cache and head size: 16-bit caches, head sizes that are multiples of 16."""
-    return cache_dtype != "e4m3" and head_size % 16 == 0
+    takes this cache and head size: 16-bit caches, the decode head sizes that are multiples
+    of 16 (paged_prefill's other head sizes run on the flash form)."""
+    return cache_dtype != "e4m3" and head_size % 16 == 0 and head_size in PAGED_DECODE_HEAD_SIZES
 
 
 def paged_form(cache_dtype: str, head_size: int, group: int) -> str:

@@ -60,7 +60,7 @@ struct PagedMmaTraits {
   static_assert(GROUP >= 1 && GROUP <= 8 && QTOK >= 1, "columns");
   static_assert(!V2 || PARTITION_SIZE % TILE == 0, "partitions of whole tiles");
   static_assert(NHD || BLOCK_SIZE % 8 == 0, "a V chunk (8 tokens) never crosses a cache block");
-  static_assert((BLOCK_SIZE & (BLOCK_SIZE - 1)) == 0 && BLOCK_SIZE <= 256, "block size");
+  static_assert((BLOCK_SIZE & (BLOCK_SIZE - 1)) == 0 && BLOCK_SIZE <= 512, "block size");
   static constexpr int MT = TILE / 16;                    // token m-tiles (S^T) = PV k-steps
   static constexpr int KS = HEAD_SIZE / 16;               // QK k-steps = PV dim m-tiles
   static_assert(NT * KS <= 32, "O^T (NT x KS x 4 floats a lane) fits the registers");

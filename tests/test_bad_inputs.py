@@ -164,6 +164,17 @@ def nhd(**more):
                            **{n: (b(mk) if callable(b) else b) for n, b in more.items()}}
 
 
+def nhd_sized(head_size, block_size=16, cache=BF16, act=("q",), tokens=2):
+    """NHD caches of ``cache`` elements, ``block_size`` tokens a block and ``head_size``, and
+    the activations ``act`` (each (tokens, 4 or 2 heads, head_size)) to match."""
+    def row(kw, mk):
+        shape = (4, block_size, 2, head_size)
+        acts = {n: mk.zeros((tokens, 4 if n == "q" else 2, head_size), BF16) for n in act}
+        return {**kw, "kv_layout": "nhd", "k_cache": mk.zeros(shape, cache),
+                "v_cache": mk.zeros(shape, cache), **acts}
+    return row
+
+
 def hook_rows(nheads, vectors=("alibi_slopes", "sinks")):
     """Rows of softcap and ``vectors`` for a function with ``nheads`` query heads."""
     rows = [("softcap-negative", put(softcap=-1.0), ValueError, "softcap"),
@@ -550,6 +561,11 @@ ROWS += table(
     ("q-rank4", new("q", shape=(1, 2, 4, 128)), ValueError, "q"),
     ("q-head_size-100", new("q", shape=(2, 4, 100)), ValueError, "q"),
     ("q-head_size-136", new("q", shape=(2, 4, 136)), ValueError, "q"),
+    # decode keeps its head sizes (paged_prefill's others: docs/api.md, Cache layouts)
+    ("q-head_size-8", new("q", shape=(2, 4, 8)), ValueError, "q"),
+    ("q-head_size-40", new("q", shape=(2, 4, 40)), ValueError, "q"),
+    ("nhd-q-head_size-32", nhd_sized(32), ValueError, "q"),
+    ("nhd-block_size-1024", nhd_sized(128, 1024), ValueError, "k_cache"),
     ("q-heads-not-a-multiple", new("q", shape=(2, 3, 128)), ValueError, "q"),
     ("q-num_seqs-65536", new("q", shape=(65536, 4, 128), broadcast=True), ValueError, "q"),
     ("q-strided", new("q", strided=True), ValueError, "q"),
@@ -648,6 +664,9 @@ ROWS += table(
     ("q-float32", new("q", dtype=np.float32), TypeError, "q"),
     ("q-rank4", new("q", shape=(1, 6, 4, 128)), ValueError, "q"),
     ("q-head_size-100", new("q", shape=(6, 4, 100)), ValueError, "q"),
+    ("q-head_size-12", new("q", shape=(6, 4, 12)), ValueError, "q"),
+    ("q-head_size-264", new("q", shape=(6, 4, 264)), ValueError, "q"),
+    ("q-head_size-0", new("q", shape=(6, 4, 0)), ValueError, "q"),
     ("q-heads-not-a-multiple", new("q", shape=(6, 3, 128)), ValueError, "q"),
     ("q-no-heads", new("q", shape=(6, 0, 128)), ValueError, "q"),
     ("q-strided", new("q", strided=True), ValueError, "q"),
@@ -682,6 +701,14 @@ ROWS += table(
      ValueError, "v_cache"),
     ("nhd-k_cache-misaligned", nhd(k_cache=lambda mk: mk.zeros(NHD_SHAPE, BF16, offset=2)),
      ValueError, "k_cache"),
+    # NHD: blocks of up to 512 tokens; fp8 rows of whole 16-byte vectors (head sizes 16 x n)
+    ("nhd-block_size-1024", nhd_sized(40, 1024, tokens=6), ValueError, "k_cache"),
+    ("nhd-fp8-head_size-40", nhd_sized(40, cache=np.uint8, tokens=6), ValueError, "k_cache"),
+    ("nhd-fp8-head_size-8", nhd_sized(8, cache=np.uint8, tokens=6), ValueError, "k_cache"),
+    # vLLM's fp8 K: chunks of x = 16 elements
+    ("fp8-k_cache-head_size-40", lambda kw, mk: {
+        **kw, "q": mk.zeros((6, 4, 40), BF16), "k_cache": mk.zeros((4, 2, 2, 16, 16), np.uint8),
+        "v_cache": mk.zeros((4, 2, 32, 16), np.uint8)}, ValueError, "k_cache"),
     # the tables: int32, one row / entry per sequence (cu_seqlens_q has num_seqs + 1)
     ("block_tables-int64", new("block_tables", dtype=np.int64), TypeError, "block_tables"),
     ("block_tables-rows", new("block_tables", shape=(3, 2)), ValueError, "block_tables"),
@@ -737,6 +764,11 @@ ROWS += table(
     ("value-rank4", new("value", shape=(1, 3, 2, 128)), ValueError, "value"),
     ("value-tokens-differ", new("value", shape=(2, 2, 128)), ValueError, "value"),
     ("key-head_size-100", new("key", "value", shape=(3, 2, 100)), ValueError, "key"),
+    ("key-head_size-264", new("key", "value", shape=(3, 2, 264)), ValueError, "key"),
+    ("nhd-block_size-1024", nhd_sized(40, 1024, act=("key", "value"), tokens=3), ValueError,
+     "k_cache"),
+    ("nhd-fp8-head_size-24", nhd_sized(24, cache=np.uint8, act=("key", "value"), tokens=3),
+     ValueError, "k_cache"),
     ("key-heads-differ-from-caches", new("key", "value", shape=(3, 3, 128)), ValueError, "key"),
     ("key-strided", new("key", strided=True), ValueError, "key"),
     ("value-strided", new("value", strided=True), ValueError, "value"),
@@ -865,6 +897,11 @@ ROWS += table(
     ("head_size-100", put(head_size=100), ValueError, "head_size"),
     ("head_size-None", put(head_size=None), ValueError, "head_size"),
     ("head_size-120-fp8", put(head_size=120, dtype=np.uint8), ValueError, "head_size"),
+    ("head_size-8-fp8", put(head_size=8, dtype=np.uint8), ValueError, "head_size"),
+    ("head_size-12", put(head_size=12), ValueError, "head_size"),
+    ("head_size-0", put(head_size=0), ValueError, "head_size"),
+    ("head_size-264", put(head_size=264), ValueError, "head_size"),
+    ("nhd-block_size-1024", put(kv_layout="nhd", block_size=1024), ValueError, "block_size"),
     ("block_size-64", put(block_size=64), ValueError, "block_size"),
     ("block_size-0", put(block_size=0), ValueError, "block_size"),
     ("dtype-unknown-name", put(dtype="float17"), TypeError, "dtype"),
@@ -906,6 +943,7 @@ ROWS += table(
     # page_size: a block size of cuattn's caches; max_blocks_per_seq: 0 <= n, n * page < 2**29
     ("page_size-3", put(page_size=3), ValueError, "page_size"),
     ("page_size-0", put(page_size=0), ValueError, "page_size"),
+    ("page_size-1024", put(page_size=1024), ValueError, "page_size"),
     ("page_size-float", put(page_size=16.0), TypeError, "page_size"),
     ("page_size-bool", put(page_size=True), TypeError, "page_size"),
     ("page_size-None", put(page_size=None), TypeError, "page_size"),
@@ -1100,12 +1138,25 @@ VALID_CALLS = [
     (cuattn.paged_attention, paged_kwargs, "plain"),
     (cuattn.paged_attention, _nhd_paged(np.uint8, 128), "nhd-fp8"),
     (cuattn.paged_attention, _nhd_paged(BF16, 120), "nhd-head_size-120"),
+    (cuattn.paged_attention, lambda mk: nhd_sized(128, 512)(paged_kwargs(mk), mk),
+     "nhd-block_size-512"),
     (cuattn.paged_prefill, prefill_kwargs, "plain"),
     (cuattn.flash_with_kvcache, kvcache_kwargs, "plain"),
     (cuattn.flash_with_kvcache,
      lambda mk: {**kvcache_kwargs(mk), "k": None, "v": None, "cache_seqlens": 7,
                  "cache_batch_idx": None, "causal": True}, "int-lengths"),
+    # head sizes and NHD blocks only paged_prefill / reshape_and_cache take
+    (cuattn.paged_prefill, lambda mk: nhd_sized(40, 512, tokens=6)(prefill_kwargs(mk), mk),
+     "nhd-head_size-40-block_size-512"),
+    (cuattn.paged_prefill, lambda mk: {**prefill_kwargs(mk), "q": mk.zeros((6, 4, 24), BF16),
+                                       "k_cache": mk.zeros((4, 2, 3, 16, 8), BF16),
+                                       "v_cache": mk.zeros((4, 2, 24, 16), BF16)},
+     "head_size-24"),
+    (cuattn.paged_prefill, lambda mk: nhd_sized(48, cache=np.uint8, tokens=6)(
+        prefill_kwargs(mk), mk), "nhd-fp8-head_size-48"),
     (cuattn.reshape_and_cache, reshape_kwargs, "plain"),
+    (cuattn.reshape_and_cache, lambda mk: nhd_sized(232, 512, act=("key", "value"), tokens=3)(
+        reshape_kwargs(mk), mk), "nhd-head_size-232-block_size-512"),
     (cuattn.reshape_and_cache, _no_tokens, "no-tokens"),   # a plan that launches nothing
     (cuattn.block_tables_from_flashinfer, flashinfer_kwargs, "plain"),
     (cuattn.block_tables_from_flashinfer,

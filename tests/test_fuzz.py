@@ -1435,7 +1435,7 @@ def work_reshape(p):
 
 def _prefill_palette(rng):
     """Three families of kernel-defining values per run: dtype, head size (128, the run's odd
-    one, any), cache layout (one each, then either), hooks (the third family's, a non-empty
+    one, any paged_prefill takes), cache layout (one each, then either), hooks (the third family's, a non-empty
     set), the one mask besides causal their cases take and the cache (16-bit, but for one of
     the last two families fp8 e4m3, as ml_dtypes' type or uint8 bytes, where its head size
     fits). Within a family a case's mask (2), split-KV (2) and the tile class of its rows
@@ -1443,9 +1443,10 @@ def _prefill_palette(rng):
     kernel: at most 2 x 2 x 4 variants and a combine per family."""
     first = _pick(rng, ("vllm", "nhd"))
     layouts = (first, "nhd" if first == "vllm" else "vllm", _pick(rng, ("vllm", "nhd")))
-    odd = [s for s in paged.HEAD_SIZES if s != 128]
+    odd = [s for s in paged.PREFILL_HEAD_SIZES if s != 128]
     fams = [dict(dtype=_pick(rng, ("f16", "bf16")),
-                 hs=128 if i == 0 else int(_pick(rng, odd if i == 1 else paged.HEAD_SIZES)),
+                 hs=128 if i == 0 else int(_pick(rng, odd if i == 1 else
+                                                 paged.PREFILL_HEAD_SIZES)),
                  layout=layouts[i], hooks=int(rng.integers(1, 8)) if i == 2 else 0,
                  mask=_pick(rng, ("none", "window")), cache="same") for i in range(3)]
     fits = [i for i in (1, 2) if fams[i]["hs"] % 16 == 0]     # fp8 rows: whole 16-byte vectors

@@ -38,10 +38,15 @@ ALL_HOOKS = FEAT_SOFTCAP | FEAT_ALIBI | FEAT_SINKS
 EXTREMES = ((MASK_NONE, False, 0), (MASK_CAUSAL, True, ALL_HOOKS))
 
 
-def _prefill_forms(head_sizes=(64, 80, 128, 192, 256), extremes_only=False):
+# Head sizes whose compiled head dims (32 to 256) cover every mma.sync kernel paged_prefill
+# reaches (tuning.compiled_head_dim): 32, 160 and 224 only the flash form takes.
+PREFILL_SWEEP_HEAD_SIZES = (32, 64, 80, 128, 160, 192, 224, 256)
+
+
+def _prefill_forms(head_sizes=PREFILL_SWEEP_HEAD_SIZES, extremes_only=False):
     """The two outer tile classes (few rows, long chunks) x layout x mask x split, plain and
-    hooked, at head sizes 64, 80, 128, 192, 256; the classes between them (32 and 64 rows)
-    in their lightest and heaviest forms only (CI's compile time)."""
+    hooked, at PREFILL_SWEEP_HEAD_SIZES; the classes between them (32 and 64 rows) in their
+    lightest and heaviest forms only (CI's compile time)."""
     every = [(mask, split, f) for mask, split in ((0, False), (1, False), (2, False), (1, True))
              for f in (0, ALL_HOOKS)]
     out = []
@@ -64,7 +69,7 @@ def test_prefill_forms_compile_for_sm90_without_spills():
 
 
 def test_a_few_prefill_forms_compile_for_sm90_without_spills():
-    forms = _prefill_forms((80, 256), extremes_only=True)
+    forms = _prefill_forms((32, 80, 256), extremes_only=True)
     assert unclean(compile_reports(forms, "sm_90")) == []
 
 
@@ -99,7 +104,7 @@ def test_prefill_tile_rule():
     assert wide.block_n >= 32   # vLLM's V tile: rows of >= 4 chunks
 
 
-def _fp8_forms(head_sizes=(64, 128, 256), forms=((1, False, 0), (1, False, ALL_HOOKS),
+def _fp8_forms(head_sizes=(32, 64, 128, 160, 224, 256), forms=((1, False, 0), (1, False, ALL_HOOKS),
                                                   (2, True, 0), (2, True, ALL_HOOKS))):
     """fp8 caches (the flash form with its widening pass) in both layouts, few and many rows,
     plain and hooked."""
@@ -111,7 +116,8 @@ def _fp8_forms(head_sizes=(64, 128, 256), forms=((1, False, 0), (1, False, ALL_H
 
 
 def _check_fp8(forms) -> None:
-    """(Some spill 4-72 B: bench/NOTES.md; correctness is the GPU tests'.)"""
+    """(Some spill 4-104 B, the hooked NHD forms most: bench/NOTES.md; correctness is the GPU
+    tests'.)"""
     reports = compile_reports(forms, "sm_90")
     assert all(v.fp8 and "e4m3" in v.name and r.registers <= 255 for v, r in reports)
 
@@ -242,6 +248,62 @@ def test_few_token_rule():
         assert form("bf16", 120, 4, 1000) == "flash"
 
 
+def _nhd_512_forms(head_sizes=(64, 128, 256), shapes=((1, 1), (4, 1), (2, 8)),
+                   partitions=(0, 512), hooks=(False, True)):
+    """The tensor-core decode kernel over NHD blocks of 512 tokens (paged_attention and
+    multi-token decode): (group, tokens) shapes, v1 / v2, plain and with every hook."""
+    return list(dict.fromkeys(
+        tuning.paged_mma_variant("bf16", hs, 512, g, ps, h, softcap=h, sinks=h, nhd=True,
+                                 tokens=tok)
+        for hs in head_sizes for g, tok in shapes for ps in partitions for h in hooks))
+
+
+@pytest.mark.slow
+def test_nhd_512_decode_forms_compile_for_sm90_without_spills():
+    assert unclean(compile_reports(_nhd_512_forms(), "sm_90")) == []
+
+
+def test_a_few_nhd_512_decode_forms_compile_for_sm90_without_spills():
+    forms = _nhd_512_forms((256,), shapes=((2, 8),), partitions=(0,), hooks=(True,))
+    assert unclean(compile_reports(forms, "sm_90")) == []
+
+
+def test_prefill_head_sizes_and_forms():
+    """paged_prefill takes flash_forward's head sizes; those outside paged_attention's run on
+    the flash form at every query length, and on Hopper those up to 32 on mma.sync."""
+    from cuattn.paged import HEAD_SIZES, PREFILL_HEAD_SIZES
+    assert PREFILL_HEAD_SIZES == tuple(range(8, 257, 8)) and set(HEAD_SIZES) < set(
+        PREFILL_HEAD_SIZES)
+    form = tuning.paged_prefill_form
+    for hs in (16, 32, 48, 144, 160, 224, 240):
+        assert not tuning.tensor_core_decode_fits("bf16", hs)
+        assert form("bf16", hs, 4, 100) == "flash"
+        with tuning.override(prefill_form="decode"):
+            assert form("bf16", hs, 4, 100) == "flash"
+    assert form("bf16", 64, 4, 100) == form("bf16", 192, 4, 100) == "decode"
+    assert [tuning.paged_prefill_path("sm_90", hs, "nhd", 16, "bf16")
+            for hs in (8, 32, 40, 72, 160, 224)] == ["mma", "mma"] + ["wgmma"] * 4
+    v = tuning.paged_prefill_variant("bf16", 40, mask=1, split=False, arch="sm_90",
+                                     kv=KV_PAGED_VLLM, features=0, rows=8192)
+    assert v.head_dim == 64
+
+
+def test_prefill_cache_shapes_every_head_size():
+    for hs in (8, 40, 72, 136, 232):
+        assert cuattn.paged_kv_cache_shapes(3, 2, hs, 16, BF16) == \
+            ((3, 2, hs // 8, 16, 8), (3, 2, hs, 16))
+        assert cuattn.paged_kv_cache_shapes(3, 2, hs, 512, BF16, kv_layout="nhd")[0] == \
+            (3, 512, 2, hs)
+    assert cuattn.paged_kv_cache_shapes(3, 2, 48, 8, FP8)[0] == (3, 2, 3, 8, 16)
+    for layout in ("vllm", "nhd"):
+        with pytest.raises(ValueError, match="head_size"):
+            cuattn.paged_kv_cache_shapes(3, 2, 40, 16, FP8, kv_layout=layout)
+        with pytest.raises(ValueError, match="head_size"):
+            cuattn.paged_kv_cache_shapes(3, 2, 264, 16, BF16, kv_layout=layout)
+    with pytest.raises(ValueError, match="block_size"):
+        cuattn.paged_kv_cache_shapes(3, 2, 64, 1024, BF16, kv_layout="nhd")
+
+
 def test_nhd_cache_shapes():
     k, v = cuattn.paged_kv_cache_shapes(10, 4, 128, 1, BF16, kv_layout="nhd")
     assert k == v == (10, 1, 4, 128)
@@ -270,7 +332,8 @@ def write_tokens(k_cache, v_cache, layout, blk, off, k, v):
 def make_batch(rng, *, contexts, q_lens, nkv, group, head_size, block_size, dtype, layout,
                extra_table=2, shared_prefix=0, fp8_scales=None):
     """Host arrays of one paged_prefill batch: sequence s has contexts[s] tokens in the cache
-    (its last q_lens[s] being the new ones) in shuffled physical blocks; NaN in every slot a
+    (its last q_lens[s] being the new ones; fewer than q_lens[s] is allowed: docs/api.md,
+    paged_prefill) in shuffled physical blocks; NaN in every slot a
     sequence must not read (past its length, unreferenced blocks, table entries past its
     end). shared_prefix > 0: every sequence's first shared_prefix tokens (whole blocks) are
     the same blocks of the cache. fp8_scales = (k_scale, v_scale): an fp8 e4m3 cache holding
@@ -395,7 +458,8 @@ MIXED_CTX = [40, 3000, 16, 7, 1030, 2000]
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout,block_size", [("vllm", 8), ("vllm", 16), ("vllm", 32),
-                                               ("nhd", 1), ("nhd", 16), ("nhd", 256)])
+                                               ("nhd", 1), ("nhd", 16), ("nhd", 256),
+                                               ("nhd", 512)])
 def test_mixed_query_lengths_both_layouts(rng, layout, block_size):
     b = make_batch(rng, contexts=MIXED_CTX, q_lens=MIXED_Q, nkv=2, group=4, head_size=128,
                    block_size=block_size, dtype="bf16", layout=layout)
@@ -578,12 +642,12 @@ HOPPER_SHAPES = [(64, 4, "f16"), (80, 2, "bf16"), (128, 4, "bf16"), (192, 1, "bf
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("block_size", [8, 16, 64, 256])
+@pytest.mark.parametrize("block_size", [8, 16, 64, 256, 512])
 @pytest.mark.parametrize("head_size,group,dtype", HOPPER_SHAPES)
 @pytest.mark.parametrize("path", FLASH_PATHS)
 def test_nhd_chunks_on_both_flash_kernels(rng, block_size, head_size, group, dtype, path):
     """Chunked prefill over NHD caches on each flash kernel: on the Hopper kernel its TMA
-    producer's box per cache block (8 to 256 tokens, BLOCK_N 48 to 128), V tiles crossing a
+    producer's box per cache block (8 to 512 tokens, BLOCK_N 48 to 128), V tiles crossing a
     sequence's end copied with zero fill (NaN in every slot past it), causal, full and a
     window, split and not."""
     _chunks_on_both_flash_kernels(rng, "nhd", block_size, head_size, group, dtype, path)
@@ -693,7 +757,8 @@ def test_flash_varlen_hooks_with_empty_sequences(rng, path):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout,block_size", [("vllm", 8), ("vllm", 16), ("vllm", 32),
-                                               ("nhd", 1), ("nhd", 16), ("nhd", 256)])
+                                               ("nhd", 1), ("nhd", 16), ("nhd", 256),
+                                               ("nhd", 512)])
 def test_fp8_caches_both_layouts(rng, layout, block_size):
     """Speculative, empty and chunk-sized queries over an fp8 cache against the reference
     over the dequantised values (k_scale, v_scale != 1)."""
@@ -735,7 +800,8 @@ FEW_CTX = [1, 3000, 9, 16, 1030, 2, 777]
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout,block_size", [("vllm", 8), ("vllm", 16), ("vllm", 32),
-                                               ("nhd", 1), ("nhd", 16), ("nhd", 256)])
+                                               ("nhd", 1), ("nhd", 16), ("nhd", 256),
+                                               ("nhd", 512)])
 @pytest.mark.parametrize("num_splits", [0, 1, 5])
 def test_few_token_form_layouts_and_splits(rng, layout, block_size, num_splits):
     """num_splits 1: v1; 5: v2 partitions (here 1024 tokens; the longest sequence has 3);
@@ -844,7 +910,7 @@ def run_decode(b, **kw):
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout,block_size,form", [("vllm", 16, "mma"), ("vllm", 8, "simt"),
                                                     ("nhd", 1, "mma"), ("nhd", 32, "mma"),
-                                                    ("nhd", 256, "mma")])
+                                                    ("nhd", 256, "mma"), ("nhd", 512, "mma")])
 @pytest.mark.parametrize("which", ["", "softcap", "sinks", "softcap+alibi+sinks"])
 @pytest.mark.parametrize("version", ["v1", "v2"])
 @pytest.mark.parametrize("window", [(-1, -1), (300, 0)])
@@ -866,7 +932,8 @@ def test_decode_hooks_windows_and_layouts(rng, layout, block_size, form, which, 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("cache,head_size,block_size", [("e4m3", 128, 16), ("e4m3", 64, 1),
-                                                        ("bf16", 120, 256), ("e4m3", 80, 8)])
+                                                        ("bf16", 120, 256), ("e4m3", 80, 8),
+                                                        ("e4m3", 256, 512)])
 @pytest.mark.parametrize("which", ["", "softcap+alibi+sinks"])
 @pytest.mark.parametrize("version", ["v1", "v2", "auto"])
 @pytest.mark.parametrize("window", [(-1, -1), (300, 0)])
@@ -895,3 +962,137 @@ def test_decode_nhd_on_the_flash_form(rng, cache, head_size, block_size, which, 
     # the empty sequence: zeros, lse -inf (with sinks the sink's logit alone, as the reference)
     assert not np.isnan(out.get()[2].astype(np.float32)).any()
     assert "sinks" in kw or np.isneginf(lse.get()[:, 2]).all()
+
+
+# -- GPU: head sizes only paged_prefill takes, more new tokens than keys -----------------------
+
+# Head sizes below, between and above decode's (compiled 32 / 64 / 96 / 160 / 224 for mma.sync,
+# 64 / 64 / 128 / 192 / 256 on Hopper: columns past the head size come in as zeros).
+NEW_HEAD_SIZES = [(32, 4, "bf16"), (40, 2, "f16"), (72, 1, "bf16"), (160, 4, "bf16"),
+                  (224, 2, "f16")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_size,group,dtype", NEW_HEAD_SIZES)
+@pytest.mark.parametrize("layout,block_size", [("vllm", 16), ("nhd", 16), ("nhd", 512)])
+@pytest.mark.parametrize("path", FLASH_PATHS)
+def test_new_head_sizes_on_both_flash_kernels(rng, head_size, group, dtype, layout, block_size,
+                                              path):
+    """Head sizes flash_forward takes and decode does not, on each flash kernel (forced: the
+    Hopper one also at 32, a 64-column box over a 32-column row), both layouts, causal,
+    full and a window, split and not; NaN in every slot past a sequence and in the cache
+    blocks no table names, so a box or chunk past the head size that read the next head's
+    or block's data would show."""
+    assert tuning.paged_prefill_form(dtype, head_size, 16, 1) == "flash"
+    _chunks_on_both_flash_kernels(rng, layout, block_size, head_size, group, dtype, path)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_size,group,dtype", NEW_HEAD_SIZES)
+@pytest.mark.parametrize("layout", ["vllm", "nhd"])
+def test_new_head_sizes_with_few_tokens_hooks_and_splits(rng, head_size, group, dtype, layout):
+    """A few new tokens per sequence (the flash form: multi-token decode takes decode's head
+    sizes only), every hook, split and not."""
+    b = make_batch(rng, contexts=FEW_CTX, q_lens=FEW_Q, nkv=2, group=group,
+                   head_size=head_size, block_size=16, dtype=dtype, layout=layout)
+    kw = hook_values(rng, 2 * group, "softcap+alibi+sinks")
+    scale = 1 / math.sqrt(head_size)
+    for num_splits in (1, 4):
+        out, lse, real = run_prefill_padded(b, 2, kv_layout=layout, num_splits=num_splits,
+                                            **dict(kw))
+        check(out[:real], lse[:, :real],
+              *batch_reference(b, scale, causal=True, **_ref_kw(kw)), dtype)
+        b["q"] = b["q"][:real]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_size", [16, 32, 48, 160, 224])
+@pytest.mark.parametrize("layout,block_size", [("vllm", 16), ("nhd", 16), ("nhd", 512)])
+def test_new_head_sizes_fp8(rng, head_size, layout, block_size):
+    """fp8 caches at head sizes that are multiples of 16 only paged_prefill takes."""
+    scales = (0.05, 0.02)
+    b = make_batch(rng, contexts=MIXED_CTX, q_lens=MIXED_Q, nkv=2, group=2,
+                   head_size=head_size, block_size=block_size, dtype="bf16", layout=layout,
+                   fp8_scales=scales)
+    out, lse = run_prefill(b, kv_layout=layout, k_scale=scales[0], v_scale=scales[1])
+    check(out, lse, *batch_reference(b, 1 / math.sqrt(head_size), causal=True), "bf16")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_size", [40, 128])
+def test_reshape_and_cache_new_head_sizes_then_prefill(rng, head_size):
+    """reshape_and_cache writes NHD blocks of 512 and head sizes only paged_prefill takes;
+    paged_prefill reads them back."""
+    import cupy as cp
+    n, nkv, group, bs = 700, 2, 2, 512
+    nheads = nkv * group
+    k = rng.standard_normal((n, nkv, head_size)).astype(np.float16)
+    v = rng.standard_normal((n, nkv, head_size)).astype(np.float16)
+    q = rng.standard_normal((n, nheads, head_size)).astype(np.float16)
+    num_blocks = 4
+    for layout, block_size in (("nhd", bs), ("vllm", 16)):
+        kshape, vshape = cuattn.paged_kv_cache_shapes(num_blocks * bs // block_size, nkv,
+                                                      head_size, block_size, np.float16,
+                                                      kv_layout=layout)
+        kc, vc = cp.full(kshape, np.nan, cp.float16), cp.full(vshape, np.nan, cp.float16)
+        table = cp.asarray(rng.permutation(kshape[0])[None, :], dtype=cp.int32)
+        tok = cp.arange(n)
+        slots = (table[0, tok // block_size] * block_size + tok % block_size).astype(cp.int32)
+        cuattn.reshape_and_cache(cp.asarray(k), cp.asarray(v), kc, vc, slots, kv_layout=layout)
+        out, lse = cuattn.paged_prefill(
+            cp.asarray(q), kc, vc, table, cp.asarray([n], dtype=cp.int32),
+            cp.asarray([0, n], dtype=cp.int32), n, kv_layout=layout, return_lse=True)
+        ref = attention_reference(q, k, v, 1 / math.sqrt(head_size), causal=True)
+        check(out, lse, *ref, "f16")
+
+
+# Sequences with more new tokens than keys: none (seq_len 0), one, a few; a sequence with
+# no new token; one with as many as keys.
+SHORT_CTX = [3, 0, 10, 1, 40, 0, 7]
+SHORT_Q = [8, 4, 16, 2, 5, 0, 7]
+
+
+def _more_tokens_than_keys(rng, layout, block_size, form, path, contexts, q_lens, which,
+                           causal, window, num_splits):
+    b = make_batch(rng, contexts=contexts, q_lens=q_lens, nkv=2, group=4, head_size=128,
+                   block_size=block_size, dtype="bf16", layout=layout)
+    kw = hook_values(rng, 8, which)
+    scale = 1 / math.sqrt(128)
+    with forced_flash_path(path), tuning.override(prefill_form=form):
+        assert tuning.paged_prefill_form("bf16", 128, b["max_seqlen_q"], 1) == form
+        out, lse = run_prefill(b, kv_layout=layout, causal=causal, window_size=window,
+                               num_splits=num_splits, **dict(kw))
+    ref, ref_lse = batch_reference(b, scale, causal=causal, window=window, **_ref_kw(kw))
+    check(out, lse, ref, ref_lse, "bf16")
+    if causal and "sinks" not in kw:   # the earliest queries of a short sequence: no key
+        assert np.isneginf(lse.get()[:, 0]).all() and np.isneginf(ref_lse[:, 0]).all()
+        assert not np.abs(out.get()[0].astype(np.float32)).any()
+
+
+MORE_TOKENS_CASES = [("", True, (-1, -1), 1), ("sinks", True, (-1, -1), 4),
+                     ("softcap+alibi+sinks", True, (3, 0), 0), ("alibi", False, (-1, -1), 1),
+                     ("", False, (2, 1), 4)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("which,causal,window,num_splits", MORE_TOKENS_CASES)
+@pytest.mark.parametrize("layout,block_size", [("vllm", 16), ("nhd", 512)])
+def test_more_new_tokens_than_keys_few_token_form(rng, which, causal, window, num_splits,
+                                                  layout, block_size):
+    """Multi-token decode (v1, and v2 partitions) on sequences whose new tokens outnumber
+    their keys: queries at negative positions see no key under causal (zeros, lse -inf or
+    the sink), every key without it; seq_len 0 sees nothing."""
+    _more_tokens_than_keys(rng, layout, block_size, "decode", "mma", SHORT_CTX, SHORT_Q,
+                           which, causal, window, num_splits)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("which,causal,window,num_splits", MORE_TOKENS_CASES)
+@pytest.mark.parametrize("layout,block_size", [("vllm", 16), ("nhd", 16), ("nhd", 512)])
+@pytest.mark.parametrize("path", FLASH_PATHS)
+def test_more_new_tokens_than_keys_flash_form(rng, which, causal, window, num_splits, layout,
+                                              block_size, path):
+    """The same on each flash kernel, with chunk-sized sequences too (a whole row tile of
+    queries that see no key, one of 0 keys)."""
+    _more_tokens_than_keys(rng, layout, block_size, "flash", path, SHORT_CTX + [100, 0],
+                           SHORT_Q + [300, 130], which, causal, window, num_splits)

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 from .attention import auto_version, paged_attention
 from .flashinfer import block_tables_from_flashinfer
-from .layout import BLOCK_SIZES, HEAD_SIZES, KV_LAYOUTS, NHD_BLOCK_SIZES, paged_kv_cache_shapes
+from .layout import (BLOCK_SIZES, HEAD_SIZES, KV_LAYOUTS, NHD_BLOCK_SIZES, PREFILL_HEAD_SIZES,
+                     paged_kv_cache_shapes)
 from .prefill import paged_prefill
 from .reshape import reshape_and_cache
 
-__all__ = ["BLOCK_SIZES", "HEAD_SIZES", "KV_LAYOUTS", "NHD_BLOCK_SIZES", "auto_version",
+__all__ = ["BLOCK_SIZES", "HEAD_SIZES", "KV_LAYOUTS", "NHD_BLOCK_SIZES", "PREFILL_HEAD_SIZES",
+           "auto_version",
            "block_tables_from_flashinfer", "paged_attention", "paged_kv_cache_shapes",
            "paged_prefill", "reshape_and_cache"]

@@ -21,8 +21,8 @@ from .._launch import (NULL, Launch, Plan, execute, on_device, plan_cache, plan_
 from ..jit import get_kernel
 from ..variants import FEAT_ALIBI, FEAT_SINKS, FEAT_SOFTCAP, PAGED_PARAMS, PAGED_REDUCE_PARAMS
 from .forms import form_for
-from .layout import (HEAD_SIZES, check_caches, check_flash_context, check_layout, check_scale,
-                     check_tables)
+from .layout import (check_caches, check_flash_context, check_head_size, check_layout,
+                     check_scale, check_tables)
 
 _plans = plan_cache()
 _NAMES = ("q", "k_cache", "v_cache", "block_tables", "seq_lens", "alibi_slopes", "sinks", "out")
@@ -99,8 +99,7 @@ def _plan(arrays, softmax_scale, k_scale, v_scale, softcap, window_size, kv_layo
     A.check_ndim(q, 3, "q", _Q_DOC)
     dtype = activation_dtype(q.dtype, "q")
     num_seqs, num_heads, head_size = q.shape
-    if head_size not in HEAD_SIZES:
-        raise ValueError(f"q: head_size {head_size} is not supported; expected one of {HEAD_SIZES}")
+    check_head_size(head_size, "q")
     if num_seqs > 65535:
         raise ValueError(f"q: num_seqs {num_seqs} is more than one launch's 65535 "
                          "(a grid dimension); split the batch")

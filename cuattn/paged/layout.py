@@ -7,7 +7,11 @@ token are contiguous, then the same 16 bytes of the next token of the block. V c
 
 kv_layout="nhd" (vLLM's FlashAttention backend, FlashInfer, SGLang): K and V caches each
 (num_blocks, block_size, nheads_kv, head_size), the head dim contiguous. Block sizes every
-power of two from 1 to 256.
+power of two from 1 to 512.
+
+Head sizes: paged_prefill and reshape_and_cache take every head size flash_forward takes
+(PREFILL_HEAD_SIZES; a token's row whole 16-byte vectors, so fp8 caches take the multiples
+of 16); paged_attention (decode) the ones its kernels are compiled for (HEAD_SIZES).
 """
 from __future__ import annotations
 
@@ -18,11 +22,14 @@ import numpy as np
 
 from .. import _arrays as A
 from .._dtypes import BY_SHORT, FP8_E4M3, UINT8_E4M3
+from ..flash import MAX_HEAD_DIM
+from ..tuning import PAGED_DECODE_HEAD_SIZES
 
-HEAD_SIZES = (64, 80, 96, 112, 120, 128, 192, 256)
+HEAD_SIZES = PAGED_DECODE_HEAD_SIZES                           # paged_attention
+PREFILL_HEAD_SIZES = tuple(range(8, MAX_HEAD_DIM + 1, 8))     # paged_prefill, reshape_and_cache
 KV_LAYOUTS = ("vllm", "nhd")
 BLOCK_SIZES = (8, 16, 32)                              # vllm
-NHD_BLOCK_SIZES = tuple(2 ** i for i in range(9))      # nhd: 1 .. 256
+NHD_BLOCK_SIZES = tuple(2 ** i for i in range(10))     # nhd: 1 .. 512
 K_DOC = "(num_blocks, nheads_kv, head_size // x, block_size, x)"
 V_DOC = "(num_blocks, nheads_kv, head_size, block_size)"
 NHD_DOC = "(num_blocks, block_size, nheads_kv, head_size)"
@@ -76,9 +83,21 @@ def check_layout(kv_layout) -> str:
     return kv_layout
 
 
-def check_caches(k_cache, v_cache, q_dtype, head_size=None, kv_layout="vllm") -> CacheInfo:
+def check_head_size(hs: int, name: str, head_sizes: tuple = HEAD_SIZES) -> None:
+    """A ValueError naming ``name`` unless ``hs`` is one of ``head_sizes`` (the op's set)."""
+    if hs not in head_sizes:
+        expected = (f"a multiple of 8 from 8 to {MAX_HEAD_DIM}"
+                    if head_sizes == PREFILL_HEAD_SIZES else f"one of {head_sizes}")
+        raise ValueError(f"{name}: head_size {hs} is not supported; expected {expected}")
+
+
+def check_caches(k_cache, v_cache, q_dtype, head_size=None, kv_layout="vllm",
+                 head_sizes=HEAD_SIZES) -> CacheInfo:
+    """The caches of a call in ``kv_layout``, their head size one of ``head_sizes`` (the
+    op's: HEAD_SIZES for decode, PREFILL_HEAD_SIZES for paged_prefill and
+    reshape_and_cache)."""
     if kv_layout == "nhd":
-        return _check_nhd_caches(k_cache, v_cache, q_dtype, head_size)
+        return _check_nhd_caches(k_cache, v_cache, q_dtype, head_size, head_sizes)
     A.check_ndim(k_cache, 5, "k_cache", K_DOC)
     A.check_ndim(v_cache, 4, "v_cache", V_DOC)
     cache = cache_dtype(k_cache, "k_cache", q_dtype)
@@ -93,8 +112,7 @@ def check_caches(k_cache, v_cache, q_dtype, head_size=None, kv_layout="vllm") ->
     if head_size is not None and hs != head_size:
         raise ValueError(f"k_cache: head_size {hs} (= shape[2] * x) differs from the "
                          f"query's {head_size}")
-    if hs not in HEAD_SIZES:
-        raise ValueError(f"k_cache: head_size {hs} is not supported; expected one of {HEAD_SIZES}")
+    check_head_size(hs, "k_cache", head_sizes)
     if block_size not in BLOCK_SIZES:
         raise ValueError(f"k_cache: block_size {block_size} is not supported; "
                          f"expected one of {BLOCK_SIZES}")
@@ -107,7 +125,7 @@ def check_caches(k_cache, v_cache, q_dtype, head_size=None, kv_layout="vllm") ->
     return CacheInfo(cache, nkv, hs, block_size, v_align)
 
 
-def _check_nhd_caches(k_cache, v_cache, q_dtype, head_size) -> CacheInfo:
+def _check_nhd_caches(k_cache, v_cache, q_dtype, head_size, head_sizes) -> CacheInfo:
     A.check_ndim(k_cache, 4, "k_cache", NHD_DOC)
     A.check_ndim(v_cache, 4, "v_cache", NHD_DOC)
     cache = cache_dtype(k_cache, "k_cache", q_dtype)
@@ -116,8 +134,7 @@ def _check_nhd_caches(k_cache, v_cache, q_dtype, head_size) -> CacheInfo:
     num_blocks, block_size, nkv, hs = k_cache.shape
     if head_size is not None and hs != head_size:
         raise ValueError(f"k_cache: head_size {hs} differs from the query's {head_size}")
-    if hs not in HEAD_SIZES:
-        raise ValueError(f"k_cache: head_size {hs} is not supported; expected one of {HEAD_SIZES}")
+    check_head_size(hs, "k_cache", head_sizes)
     _check_nhd_sizes(block_size, hs, k_cache.dtype, "k_cache", "k_cache")
     A.check_shape(v_cache, k_cache.shape, "v_cache", NHD_DOC)
     for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
@@ -128,11 +145,12 @@ def _check_nhd_caches(k_cache, v_cache, q_dtype, head_size) -> CacheInfo:
 
 def _check_nhd_sizes(block_size: int, head_size: int, dtype, block_name: str,
                      head_name: str) -> None:
-    """NHD: a power-of-two block of 1 to 256 slots, each head's row whole 16-byte vectors
+    """NHD: a power-of-two block of 1 to 512 slots, each head's row whole 16-byte vectors
     (every token's row is written and read in them)."""
     if block_size not in NHD_BLOCK_SIZES:
         raise ValueError(f"{block_name}: block size {block_size} is not supported for "
-                         "kv_layout 'nhd'; expected a power of two from 1 to 256")
+                         f"kv_layout 'nhd'; expected a power of two from 1 to "
+                         f"{max(NHD_BLOCK_SIZES)}")
     if head_size * np.dtype(dtype).itemsize % 16:
         raise ValueError(f"{head_name}: head size {head_size} of {np.dtype(dtype)} is not a "
                          "whole number of 16-byte vectors")
@@ -173,6 +191,7 @@ def paged_kv_cache_shapes(num_blocks: int, nheads_kv: int, head_size: int, block
     kv_layout="vllm": K (num_blocks, nheads_kv, head_size // x, block_size, x) with
     x = 16 // itemsize, V (num_blocks, nheads_kv, head_size, block_size).
     kv_layout="nhd": K and V (num_blocks, block_size, nheads_kv, head_size).
+    head_size: any paged_prefill takes (PREFILL_HEAD_SIZES; paged_attention takes HEAD_SIZES).
     """
     kv_layout = check_layout(kv_layout)
     try:
@@ -187,8 +206,7 @@ def paged_kv_cache_shapes(num_blocks: int, nheads_kv: int, head_size: int, block
                     ("head_size", head_size), ("block_size", block_size)):
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
             raise ValueError(f"{name}: expected a non-negative int, got {v!r}")
-    if head_size not in HEAD_SIZES:
-        raise ValueError(f"head_size: {head_size} is not supported; expected one of {HEAD_SIZES}")
+    check_head_size(head_size, "head_size", PREFILL_HEAD_SIZES)
     if kv_layout == "nhd":
         _check_nhd_sizes(block_size, head_size, dt, "block_size", "head_size")
         shape = (int(num_blocks), block_size, int(nheads_kv), head_size)

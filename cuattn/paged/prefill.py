@@ -30,8 +30,8 @@ from ..jit import device_info
 from ..variants import FEAT_ALIBI, FEAT_SINKS, FEAT_SOFTCAP, KV_PAGED_NHD, KV_PAGED_VLLM
 from .attention import decode_launches, window_bound
 from .forms import FORMS
-from .layout import (HEAD_SIZES, check_caches, check_flash_context, check_layout, check_scale,
-                     check_tables)
+from .layout import (PREFILL_HEAD_SIZES, check_caches, check_flash_context, check_head_size,
+                     check_layout, check_scale, check_tables)
 
 _plans = plan_cache()
 _NAMES = ("q", "k_cache", "v_cache", "block_tables", "seq_lens", "cu_seqlens_q", "alibi_slopes",
@@ -55,7 +55,11 @@ def paged_prefill(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, max
     block_tables: int32 (num_seqs, max_blocks_per_seq); seq_lens: int32 (num_seqs,), each
         sequence's whole length, new tokens included (clamped to the table's capacity).
         Query i of sequence s sits at position seq_lens[s] - q_len[s] + i: causal is aligned
-        to the bottom-right corner, window_size = (left, right) around that diagonal.
+        to the bottom-right corner, window_size = (left, right) around that diagonal (a
+        sequence with fewer keys than new tokens: its queries at negative positions see no
+        key under causal, zeros and lse -inf, as in flash-attn).
+    head_size: any multiple of 8 from 8 to 256 (layout.PREFILL_HEAD_SIZES; fp8 caches the
+        multiples of 16); those outside paged_attention's run on the flash form.
     softcap, alibi_slopes, sinks: cuattn._hooks. k_scale / v_scale: for fp8 caches; ignored
         for 16-bit caches, as in vLLM. num_splits: split-KV (0: the tuning rule). Returns
         out (like q), or (out, lse) with lse float32 (nheads, total_q), natural log: the
@@ -76,14 +80,13 @@ def _plan(arrays, max_seqlen_q, causal, softmax_scale, window_size, softcap, k_s
     A.check_ndim(q, 3, "q", _Q_DOC)
     dtype = activation_dtype(q.dtype, "q")
     total_q, nheads, head_size = q.shape
-    if head_size not in HEAD_SIZES:
-        raise ValueError(f"q: head_size {head_size} is not supported; expected one of {HEAD_SIZES}")
+    check_head_size(head_size, "q", PREFILL_HEAD_SIZES)
     if nheads == 0:
         raise ValueError(f"q: expected at least one head, got shape {tuple(q.shape)}")
     A.check_last_dim_contiguous(q, "q")
     A.check_aligned(q, 16, "q")
     kv_layout = check_layout(kv_layout)
-    info = check_caches(k_cache, v_cache, dtype, head_size, kv_layout)
+    info = check_caches(k_cache, v_cache, dtype, head_size, kv_layout, PREFILL_HEAD_SIZES)
     fp8 = info.cache == "e4m3"
     k_scale, v_scale = check_scale(k_scale, "k_scale"), check_scale(v_scale, "v_scale")
     if not fp8:

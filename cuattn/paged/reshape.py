@@ -13,7 +13,8 @@ from .._dtypes import activation_dtype
 from .._launch import Launch, Plan, Slots, execute, on_device, plan_cache, plan_for
 from ..jit import get_kernel
 from ..variants import RESHAPE_PARAMS
-from .layout import HEAD_SIZES, check_caches, check_layout, check_scale
+from .layout import (PREFILL_HEAD_SIZES, check_caches, check_head_size, check_layout,
+                     check_scale)
 
 _plans = plan_cache()
 _NAMES = ("key", "value", "k_cache", "v_cache", "slot_mapping")
@@ -45,9 +46,9 @@ def _plan(arrays, k_scale, v_scale, kv_layout) -> Plan:
     A.check_dtype(value, key.dtype, "value")
     A.check_shape(value, key.shape, "value", doc)
     num_tokens, nkv, head_size = key.shape
-    if head_size not in HEAD_SIZES:
-        raise ValueError(f"key: head_size {head_size} is not supported; expected one of {HEAD_SIZES}")
-    info = check_caches(k_cache, v_cache, dtype, head_size, check_layout(kv_layout))
+    check_head_size(head_size, "key", PREFILL_HEAD_SIZES)
+    info = check_caches(k_cache, v_cache, dtype, head_size, check_layout(kv_layout),
+                        PREFILL_HEAD_SIZES)
     if info.num_kv_heads != nkv:
         raise ValueError(f"key: nheads_kv {nkv} differs from the caches' {info.num_kv_heads}")
     for name, x in (("key", key), ("value", value)):
