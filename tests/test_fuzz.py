@@ -23,6 +23,12 @@ entries past its end). flash_backward and flash_varlen_backward run the forward 
 lse, then check dq, dk, dv (and the sinks' gradient) of every sequence against the float64
 reference by test_flash_bwd's rule: GQA, windows, hooks, deterministic calls (which must
 repeat bit for bit), empty and one-token sequences, head dims 8 to 256, given dq= / dk= / dv=.
+flash_with_kvcache's cases (dense caches) draw decode, speculative and prefill queries (and
+more queries than keys) against caches of 1 to 4096 slots, rows empty, full or overflowed by
+the new keys (dropped), cache_seqlens on the device or as an int, cache_batch_idx a random
+injective map or None, every mask and hook, q / out / caches / new keys as strided views;
+every slot a row must not read holds NaN, and both caches must equal the host's append bit
+for bit after the call.
 
 CPU part: the generators, references and checks run against an oracle (the rounded
 reference must pass, a perturbed one must fail), and the default N cases of fixed seeds stay
@@ -45,7 +51,8 @@ import cuattn
 from cuattn import paged, tuning, tuning_bwd
 from cuattn.paged.forms import form_for
 from cuattn.flash import _mask_and_bounds
-from cuattn.variants import FEAT_ALIBI, FEAT_SINKS, FEAT_SOFTCAP, KV_PAGED_NHD, KV_PAGED_VLLM
+from cuattn.variants import FEAT_ALIBI, FEAT_SINKS, FEAT_SOFTCAP, KV_PAGED_NHD, KV_PAGED_VLLM, \
+    FlashFwdSm90Variant
 from test_flash import _floor, _round, _visible, attention_ref
 from test_flash_bwd import check_grads
 from test_paged import E4M3, _cache_values, make_case, paged_reference
@@ -61,7 +68,7 @@ LN2 = math.log(2.0)
 EDGES = (1, 2, 15, 16, 17, 31, 63, 64, 65, 127, 128, 129, 255, 256, 257)
 FUNCS = ("flash_forward", "flash_varlen_forward", "merge_attn_states", "merge_states",
          "paged_attention", "reshape_and_cache", "paged_prefill", "flash_backward",
-         "flash_varlen_backward")
+         "flash_varlen_backward", "flash_with_kvcache")
 
 # Budgets at the default N (checked on the CPU for fixed seeds). Kernel variants per function
 # (flash_forward and flash_varlen_forward share theirs; bounded by construction: small sets of
@@ -89,19 +96,28 @@ FUNCS = ("flash_forward", "flash_varlen_forward", "merge_attn_states", "merge_st
 # more with the softcap bound): flash_backward 7-10.5 s, flash_varlen_backward 9.5-14 s;
 # 48-59 s in all with the others. The GPU run of each backward test: these seconds, compiles
 # (~60 variants, in parallel) and a few ms of device calls per case: well within 60 s.
+# flash_with_kvcache (issue 34): the append kernel (one per dtype) and paged_prefill's flash
+# form over the dense cache, 3 families x (2 masks x 2 splits x the tile classes of
+# seqlen_q x group, and the Hopper kernel's at seqlen_q >= 64 over >= 256 slots, + a
+# combine), the third family's two hook sets each: 60-76 for seeds 0-7; its host model
+# (work_kvcache, fitted to 900 cases timed on the CPU machine with one BLAS thread) 4.2-4.8
+# s; 52-63 s in all.
 KERNEL_BUDGET = {"flash": 52, "paged_attention": 21, "merge_attn_states": 6,
                  "merge_states": 6, "reshape_and_cache": 8, "paged_prefill": 170,
-                 "flash_bwd": 67}
+                 "flash_bwd": 67, "flash_with_kvcache": 85}
 HOST_S_BUDGET = {"flash_forward": 11, "flash_varlen_forward": 11, "merge_attn_states": 2,
                  "merge_states": 2, "paged_attention": 15, "reshape_and_cache": 3,
-                 "paged_prefill": 9, "flash_backward": 14, "flash_varlen_backward": 17}
+                 "paged_prefill": 9, "flash_backward": 14, "flash_varlen_backward": 17,
+                 "flash_with_kvcache": 7}
 HOST_S_TOTAL = 75
 # One flash case at most: 1.5e6 scores (batch x heads x sq x sk) and 4e6 elements of q + k + v;
 # one backward case 8e5 and 3e6 (its references cost about twice the forward's per score);
-# one paged_prefill case: 8e7 scores x head size and 3e6 elements of q and the caches' slots.
+# one paged_prefill case: 8e7 scores x head size and 3e6 elements of q and the caches' slots;
+# one flash_with_kvcache case the same, its rows counted at the cache's length.
 CAPS = (1.5e6, 4e6)
 BWD_CAPS = (8e5, 3e6)
 PREFILL_CAPS = (8e7, 3e6)
+KVCACHE_CAPS = (8e7, 3e6)
 
 
 # ---- seeds, picks, device views ------------------------------------------------------------
@@ -180,10 +196,10 @@ def _poisoned_out(shape, dtype, rng, how, free_last=False):
     return _place(np.full(shape, np.nan, dtype), rng, how == "strided", free_last)
 
 
-def _assert_untouched(store, outside):
+def _assert_untouched(store, outside, what="out="):
     if store is not None and outside.any():
         rest = store.get()[outside].astype(np.float32)
-        assert np.isnan(rest).all(), "a write landed outside the out= view"
+        assert np.isnan(rest).all(), f"a write landed outside the {what} view"
 
 
 def _prebuild(spec, cases):
@@ -1656,6 +1672,289 @@ def work_prefill(p):
     return macs / 7.5e9 + passes * slots * p["nkv"] * d / 1e8 + 1e-3
 
 
+# ---- flash_with_kvcache ---------------------------------------------------------------------
+# A dense cache (batch_cache, seqlen_cache, nheads_kv, head_size) whose rows hold each entry's
+# cache_seqlens keys (NaN in every other slot, and in the rows no entry names), new k / v
+# appended first (those past a row's end dropped): out and lse of every entry against
+# _attn_ref over its row's first min(cache_seqlens + seqlen_new, seqlen_cache) keys, and both
+# caches after the call bit for bit against the append done on the host (NaN where NaN;
+# strided caches: the storage outside the views still NaN).
+
+def _kvcache_palette(rng):
+    """Three families of kernel-defining values per run: dtype (the first two differ), the
+    compiled head dim (64 or 128; the run's odd one, 32 ... 256; any, with hooks, a non-empty
+    set: two sets of hooks, together all three), the one mask besides causal their cases take
+    (window and none for the first two).
+    A case's head size is its family's or up to 24 below it (same compiled dims: 40 runs
+    as 64, 72 as 96 / 128 on sm_90, 200 as 224 / 256). Within a family a case's mask (2),
+    split-KV (2) and its tile class (seqlen_q x group: <= 16, 32, 64 or more, and the Hopper
+    kernel's at seqlen_q >= 64 over caches of >= 256 slots) pick the kernel."""
+    first = _pick(rng, ("f16", "bf16"))
+    masks = [_pick(rng, ("window", "none"))]
+    masks.append("none" if masks[0] == "window" else "window")
+    hooks = int(rng.integers(1, 8))
+    more = (7 & ~hooks) | int(rng.integers(0, 8))             # what the first lacks, and more
+    if more == hooks:
+        more = 7 if hooks != 7 else int(rng.integers(1, 7))
+    return [dict(dtype=first, hd=int(_pick(rng, (64, 128))), hooks=[0], mask=masks[0]),
+            dict(dtype="bf16" if first == "f16" else "f16",
+                 hd=int(_pick(rng, (32, 96, 160, 192, 224, 256))), hooks=[0], mask=masks[1]),
+            dict(dtype=_pick(rng, ("f16", "bf16")), hd=int(_pick(rng, (64, 128, 96, 192, 256))),
+                 hooks=[hooks, more], mask=_pick(rng, ("window", "none")))]
+
+
+def _kvcache_sizes(p):
+    """(scores x head size, elements of q, the new keys and the used rows' slots) of a case:
+    what bounds its host work (every row counted at the cache's length)."""
+    h, d, cap = p["nkv"] * p["gqa"], p["hs"], p["seqlen_cache"]
+    return (h * d * p["batch"] * p["sq"] * max(cap, d),
+            d * p["batch"] * (h * p["sq"] + 2 * p["nkv"] * (cap + p["new"])))
+
+
+def _fit_kvcache(p):
+    """Shrink to KVCACHE_CAPS: KV heads, the batch, the group, then the longer of seqlen_q and
+    the cache (keeping the Hopper kernel's reach, seqlen_q >= 64 over >= 256 slots, while
+    the other can give), and the new keys with seqlen_q where they were equal."""
+    floors = (64 if p["sq"] >= 64 else 1, 256 if p["seqlen_cache"] >= 256 else 1)
+    while any(s > cap for s, cap in zip(_kvcache_sizes(p), KVCACHE_CAPS)):
+        sq, cap = p["sq"], p["seqlen_cache"]
+        if p["nkv"] > 1:
+            p["nkv"] //= 2
+        elif p["batch"] > 1:
+            p["batch"] -= 1
+        elif p["gqa"] > 2:
+            p["gqa"] //= 2
+        elif cap >= sq and (cap * 7 // 10 >= floors[1] or sq * 7 // 10 < floors[0]):
+            p["seqlen_cache"] = max(1, cap * 7 // 10)
+        else:
+            p["sq"] = max(1, sq * 7 // 10)
+            if p["new"] == sq:
+                p["new"] = p["sq"]
+        p["new"] = min(p["new"], p["seqlen_cache"] + 16)
+
+
+_KVCACHE_EDGES = (17, 31, 63, 64, 65, 127, 128, 129, 255, 256, 257, 511, 512, 513)
+
+
+def _kvcache_len(rng, cap, new):
+    """Keys a cache row holds before the call: empty, full (every new key dropped), filled to
+    the end by the new keys, some of the new keys past the end (dropped), or any that leaves
+    the new keys room."""
+    u = rng.random()
+    if u < 0.12:
+        return 0
+    if u < 0.19:
+        return cap
+    if u < 0.29 and new:
+        return max(0, cap - new)
+    if u < 0.37 and new:
+        return int(rng.integers(max(0, cap - new + 1), cap + 1))
+    return int(rng.integers(0, max(0, cap - new) + 1))
+
+
+def gen_kvcache(rng, pal):
+    fam = pal[int(rng.choice(3, p=[0.45, 0.25, 0.3]))]
+    p = dict(dtype=fam["dtype"], hs=fam["hd"] - 8 * int(_pick(rng, (0, 1, 2, 3),
+                                                            p=[0.55, 0.15, 0.15, 0.15])))
+    p["nkv"], p["gqa"], p["batch"] = (int(rng.integers(1, 5)), int(rng.integers(1, 9)),
+                                      int(rng.integers(1, 7)))
+    u = rng.random()                     # the cache: tiny, up to a few hundred, thousands
+    if u < 0.15:
+        cap = int(_pick(rng, (1, 1, 2, 3, 7, 8, 15, 16)))
+    elif u < 0.7:
+        cap = int(_pick(rng, _KVCACHE_EDGES)) if u < 0.35 else int(rng.integers(17, 601))
+    else:
+        cap = int(rng.integers(600, 4097))
+    regime = _pick(rng, ("decode", "spec", "prefill", "over"), p=[0.3, 0.25, 0.33, 0.12])
+    if regime == "decode":
+        sq = 1
+    elif regime == "spec":
+        sq = max(2, _q_short(rng))
+    elif regime == "prefill":            # the Hopper kernel's 64 rows, tile edges
+        sq = int(_pick(rng, (17, 63, 64, 65, 127, 128, 129, 255, 256, 257))) \
+            if rng.random() < 0.4 else int(rng.integers(17, 401))
+    else:                                # more queries than any row's keys
+        cap = min(cap, int(_pick(rng, (1, 7, 40, 300))))
+        sq = cap + int(rng.integers(1, 60))
+    u = rng.random()                     # new keys: none (k = v = None), as many as queries,
+    if u < 0.25:                         # or another count (some past a short cache's end)
+        new = 0
+    elif u < 0.7:
+        new = sq
+    else:
+        new = int(rng.integers(1, max(sq, 16) + 1))
+    p.update(seqlen_cache=cap, sq=sq, new=new)
+    _fit_kvcache(p)
+    cap, batch, new = p["seqlen_cache"], p["batch"], p["new"]
+    extra = int(_pick(rng, (0, 0, 1, 3)))
+    p["batch_cache"] = batch + extra
+    p["batch_idx"] = [int(r) for r in rng.permutation(batch + extra)[:batch]] \
+        if rng.random() < 0.7 else None   # None: entry b reads row b
+    p["int_lens"] = bool(rng.random() < 0.15)     # cache_seqlens as a Python int
+    lens = [_kvcache_len(rng, cap, new)] * batch if p["int_lens"] else \
+        [_kvcache_len(rng, cap, new) for _ in range(batch)]
+    p["lens"] = lens
+    kind = "causal" if rng.random() < 0.45 else fam["mask"]
+    p["causal"], p["window"] = kind == "causal", (-1, -1)
+    if kind == "window":                 # a bounded side (one that excludes no key runs without)
+        n = cap
+        p["causal"] = bool(rng.random() < 0.3)
+        left, right = _side(rng, n), _side(rng, n)
+        if left < 0 and (p["causal"] or right < 0):
+            left = int(rng.integers(0, n + 1))
+        p["window"] = (left, right)
+    _set_hooks(rng, p, int(_pick(rng, fam["hooks"])))
+    values = _pick(rng, ("normal", "big", "offset", "vmax"), p=[0.7, 0.1, 0.1, 0.1])
+    if values == "vmax" and p["dtype"] != "f16":
+        values = "normal"
+    values = _hook_values(p, values)
+    p.update(values=values, scale=_scale(rng, values, p["hs"]),
+             num_splits=int(_pick(rng, (0, 1, 2, 3, 4, 8, 16, 64),
+                                  p=[0.3, 0.25, 0.1, 0.1, 0.1, 0.05, 0.05, 0.05])),
+             return_lse=bool(rng.random() < 0.75), out=_pick(rng, ("none", "contig", "strided")),
+             q_strided=bool(rng.random() < 0.4), cache_strided=bool(rng.random() < 0.35),
+             new_strided=bool(rng.random() < 0.3))
+    return p
+
+
+def _kvcache_keys(p):
+    """Keys each entry's attention sees: its row's keys and the new ones, at most the
+    cache's length (new keys past the end are dropped)."""
+    return [min(n + p["new"], p["seqlen_cache"]) for n in p["lens"]]
+
+
+def build_kvcache(p, rng):
+    dt = DT[p["dtype"]]
+    h, nkv, hs, cap = p["nkv"] * p["gqa"], p["nkv"], p["hs"], p["seqlen_cache"]
+    rows = np.asarray(p["batch_idx"] if p["batch_idx"] is not None else range(p["batch"]),
+                      np.int32)
+    kc = np.full((p["batch_cache"], cap, nkv, hs), np.nan, dt)
+    vc = kc.copy()
+    for row, n in zip(rows, p["lens"]):
+        kc[row, :n], vc[row, :n] = _kv_values(rng, (n, nkv, hs), p["values"], dt)
+    k = v = None
+    if p["new"]:
+        k, v = _kv_values(rng, (p["batch"], p["new"], nkv, hs), p["values"], dt)
+    q = _q_values(rng, (p["batch"], p["sq"], h, hs), p["values"], dt)
+    slopes, sinks = _hook_arrays(rng, p, h)
+    k_after, v_after = kc.copy(), vc.copy()
+    refs, v_max = [], 0.0
+    for b, (row, n, keys) in enumerate(zip(rows, p["lens"], _kvcache_keys(p))):
+        if k is not None:                # the append: new keys past the row's end dropped
+            k_after[row, n:keys], v_after[row, n:keys] = k[b, :keys - n], v[b, :keys - n]
+        ks, vs = k_after[row, :keys], v_after[row, :keys]
+        refs.append(_attn_ref(q[b:b + 1], ks[None], vs[None], p["causal"], p["window"],
+                              p["scale"], p["dtype"], p["softcap"], slopes, sinks))
+        v_max = max(v_max, _v_max(vs))
+    return dict(q=q, k_cache=kc, v_cache=vc, k=k, v=v, batch_idx=rows,
+                cache_seqlens=np.asarray(p["lens"], np.int32), k_after=k_after,
+                v_after=v_after, alibi_slopes=slopes, sinks=sinks,
+                ref=np.concatenate([r[0] for r in refs]),
+                ref_lp=np.concatenate([r[1] for r in refs]),
+                ref_lse=np.concatenate([r[2] for r in refs]),
+                slack=_softcap_slack(p["softcap"], max(r[3] for r in refs), v_max))
+
+
+def _heads_slice(x, rng):
+    """Host x (batch, seqlen, heads, head dim) on the device as a slice along the heads of a
+    wider NaN-poisoned storage (a fused QKV buffer: its rows still pack), each head's row
+    padded by 0 or 16 bytes. Returns (device view, device storage, host mask of the storage
+    outside the view)."""
+    import cupy as cp
+    b, s, h, d = x.shape
+    extra, pad = int(rng.integers(1, 2 * h + 1)), (16 // x.itemsize) * int(rng.integers(0, 2))
+    off = int(rng.integers(0, extra + 1))
+    store = np.full((b, s, h + extra, d + pad), np.nan, x.dtype)
+    store[:, :, off:off + h, :d] = x
+    outside = np.ones(store.shape, bool)
+    outside[:, :, off:off + h, :d] = False
+    dev = cp.asarray(store)
+    return dev[:, :, off:off + h, :d], dev, outside
+
+
+def call_kvcache(p, c, rng):
+    import cupy as cp
+    q = _heads_slice(c["q"], rng)[0] if p["q_strided"] else cp.asarray(c["q"])
+    caches = [_place(c[n], rng, p["cache_strided"]) for n in ("k_cache", "v_cache")]
+    k, v = (None if c[n] is None else _place(c[n], rng, p["new_strided"])[0] for n in "kv")
+    if p["out"] == "strided":
+        out, store, outside = _heads_slice(np.full(c["q"].shape, np.nan, c["q"].dtype), rng)
+    else:
+        out, store, outside = _poisoned_out(c["q"].shape, c["q"].dtype, rng, p["out"])
+    res = cuattn.flash_with_kvcache(
+        q, caches[0][0], caches[1][0], k, v,
+        cache_seqlens=p["lens"][0] if p["int_lens"] else cp.asarray(c["cache_seqlens"]),
+        cache_batch_idx=None if p["batch_idx"] is None else cp.asarray(c["batch_idx"]),
+        causal=p["causal"], softmax_scale=p["scale"], window_size=p["window"],
+        return_lse=p["return_lse"], num_splits=p["num_splits"], out=out,
+        **_hook_args(p, c, rng))
+    got = _flash_result(res, p, out, store, outside)
+    for name, (view, cache_store, cache_outside) in zip(("k_cache", "v_cache"), caches):
+        _assert_untouched(cache_store, cache_outside, name)
+        got[name] = view.get()
+    return got
+
+
+def check_kvcache(p, c, got):
+    """The caches first (an append that went astray explains a wrong attention), bit for
+    bit; then out and lse as check_flash."""
+    for name, want in (("k_cache", c["k_after"]), ("v_cache", c["v_after"])):
+        g = got[name]
+        assert g.shape == want.shape, (name, g.shape, want.shape)
+        bad = g.view(np.uint16) != want.view(np.uint16)
+        if bad.any():
+            row, slot = (int(i) for i in np.argwhere(bad)[0][:2])
+            raise AssertionError(f"{name}: {int(bad.sum())} elements differ from the append "
+                                 f"(first at row {row}, slot {slot})")
+    check_flash(p, c, got)
+
+
+def oracle_kvcache(p, c):
+    return dict(oracle_flash(p, c), k_cache=c["k_after"].copy(), v_cache=c["v_after"].copy())
+
+
+def kernels_kvcache(p, arch):
+    """The append kernel where there are new keys, then the attention's: paged_prefill's
+    flash form over an NHD cache of one block per row (the power of two at or above
+    seqlen_cache), on the Hopper kernel where cuattn/kvcache.py allows it (seqlen_q, the
+    cache's length) and tuning.paged_prefill_path picks it, else the mma.sync kernel with
+    the query heads of a KV head packed into its rows."""
+    from cuattn.kvcache import _HOPPER_MIN_SEQLEN_CACHE, _HOPPER_MIN_SEQLEN_Q
+    sq, cap = p["sq"], p["seqlen_cache"]
+    append = [tuning.kvcache_append_variant(p["dtype"])] if p["new"] else []
+    block_size = 1 << (cap - 1).bit_length()
+    mask, features = _mask_of(p, sq, cap), _features(p)
+    hopper = sq >= _HOPPER_MIN_SEQLEN_Q and cap >= _HOPPER_MIN_SEQLEN_CACHE and \
+        tuning.paged_prefill_path(arch, p["hs"], "nhd", block_size, p["dtype"]) == "wgmma"
+
+    def fwd(split):
+        if hopper:
+            return tuning.flash_sm90_variant(p["dtype"], p["hs"], mask=mask, split=split,
+                                             features=features, tma=True, seqlen_q=sq,
+                                             kv=KV_PAGED_NHD)
+        return tuning.paged_prefill_variant(p["dtype"], p["hs"], mask=mask, split=split,
+                                            arch=arch, kv=KV_PAGED_NHD, features=features,
+                                            rows=sq * p["gqa"])
+    tiles = -(-cap // fwd(False).block_n)
+    extra = [fwd(True), tuning.flash_combine_variant(p["dtype"], p["hs"],
+                                                     sinks=bool(features & FEAT_SINKS))]
+    return append + [fwd(False)] + (extra if _may_split(p["num_splits"], tiles, p["batch"])
+                                    else [])
+
+
+def work_kvcache(p):
+    """_attn_ref per entry (work_flash's cost per score), the values drawn and rounded (q,
+    the keys each entry reads), the caches' slots (filled, copied for the append, compared
+    bit for bit) and a cost per entry: fitted to build_kvcache + check_kvcache of 900 cases
+    timed on the CPU machine (one BLAS thread)."""
+    h, d, keys = p["nkv"] * p["gqa"], p["hs"], _kvcache_keys(p)
+    per_score = (3 * d + 30) * (1.3 if _hooked(p) else 1.0)
+    macs = sum(h * p["sq"] * n * per_score for n in keys) + \
+        160 * d * (h * p["sq"] * p["batch"] + p["nkv"] * sum(keys))
+    slots = p["batch_cache"] * p["seqlen_cache"] * p["nkv"] * d
+    return macs / 7.5e9 + slots / 4e8 + 5e-4 * p["batch"] + 1e-3
+
+
 # ---- the runner ----------------------------------------------------------------------------
 
 Spec = namedtuple("Spec", "palette gen build call check oracle kernels work")
@@ -1680,6 +1979,8 @@ SPECS = {
                            kernels_bwd, work_bwd),
     "flash_varlen_backward": Spec(_bwd_palette, gen_bwd_varlen, build_bwd, call_bwd, check_bwd,
                                   oracle_bwd, kernels_bwd, work_bwd),
+    "flash_with_kvcache": Spec(_kvcache_palette, gen_kvcache, build_kvcache, call_kvcache,
+                               check_kvcache, oracle_kvcache, kernels_kvcache, work_kvcache),
 }
 # The functions that share a run's palette, and their kernel variants' budget.
 _GROUP = {"flash_forward": "flash", "flash_varlen_forward": "flash",
@@ -1830,7 +2131,8 @@ def test_harness_on_cpu_with_an_oracle(fn):
 # The kinds of options the hooked-cases test wants of a function besides the three hooks.
 _MORE_KINDS = {"paged_attention": {"window", "nhd"}, "paged_prefill": {"nhd", "fp8"},
                "flash_backward": {"window", "causal", "deterministic"},
-               "flash_varlen_backward": {"window", "causal", "deterministic"}}
+               "flash_varlen_backward": {"window", "causal", "deterministic"},
+               "flash_with_kvcache": {"window", "causal", "dropped", "int_lens"}}
 
 
 def _hook_kinds(fn, p):
@@ -1845,17 +2147,23 @@ def _hook_kinds(fn, p):
         kinds.add("nhd")
     if fn == "paged_prefill" and p["cache"] != "same":
         kinds.add("fp8")
+    if fn == "flash_with_kvcache":
+        kinds |= {k for k, on in (("window", p["window"] != (-1, -1)), ("causal", p["causal"]),
+                                  ("dropped", p["new"] and max(p["lens"]) + p["new"] >
+                                   p["seqlen_cache"]), ("int_lens", p["int_lens"])) if on}
     return kinds
 
 
 @pytest.mark.parametrize("fn", ["flash_forward", "flash_varlen_forward", "paged_attention",
-                                "paged_prefill", "flash_backward", "flash_varlen_backward"])
+                                "paged_prefill", "flash_backward", "flash_varlen_backward",
+                                "flash_with_kvcache"])
 def test_hooked_cases_on_cpu_with_an_oracle(fn):
     """The generic oracle test on cases that carry hooks (and, for paged_attention, windows
     and the NHD layout; for paged_prefill the NHD layout and fp8 caches; for the backward
-    windows, causal and deterministic calls): every kind occurs in the default N cases, and
-    the first cases of each kind pass for the rounded reference and fail for a perturbed
-    one."""
+    windows, causal and deterministic calls; for flash_with_kvcache windows, causal, new keys
+    dropped past a row's end and an int cache_seqlens): every kind occurs in the default N
+    cases, and the first cases of each kind pass for the rounded reference and fail for a
+    perturbed one."""
     spec = SPECS[fn]
     cases = _cases(fn, 11, range(DEFAULT_CASES))
     want = {"softcap", "alibi", "sinks"} | _MORE_KINDS.get(fn, set())
@@ -2023,3 +2331,108 @@ def test_prefill_reference_agrees_with_test_prefill():
                                            causal, window, 0.2, "bf16", 3.0, slopes, sinks)
                 assert np.allclose(ref[0], want[cu[s]:cu[s + 1]], atol=1e-12)
                 assert np.allclose(lse[0], want_lse[:, cu[s]:cu[s + 1]], atol=1e-12)
+
+
+# ---- CPU: flash_with_kvcache's cases and checks ----------------------------------------------
+
+def _kvcache_kinds(p):
+    """The edges a flash_with_kvcache case exercises."""
+    sq, cap, new, lens = p["sq"], p["seqlen_cache"], p["new"], p["lens"]
+    kinds = {"decode" if sq == 1 else "spec" if sq <= 16 else "prefill",
+             "no_new" if not new else "new", "dropped" if new and max(lens) + new > cap else "",
+             "more_q_than_keys" if sq > max(_kvcache_keys(p)) else "",
+             "empty_row" if 0 in lens else "", "full_row" if cap in lens else "",
+             "tiny_cache" if cap <= 16 else "", "long_cache" if cap >= 1000 else "",
+             "int_lens" if p["int_lens"] else "device_lens",
+             "no_batch_idx" if p["batch_idx"] is None else "batch_idx",
+             "spare_rows" if p["batch_cache"] > p["batch"] else "",
+             "causal" if p["causal"] else "", "window" if p["window"] != (-1, -1) else "",
+             "unmasked" if not p["causal"] and p["window"] == (-1, -1) else "",
+             "splits" if p["num_splits"] > 1 else "one_split" if p["num_splits"] == 1 else "auto",
+             "lse" if p["return_lse"] else "", "out_" + p["out"],
+             "q_strided" if p["q_strided"] else "", "cache_strided" if p["cache_strided"] else "",
+             "new_strided" if p["new_strided"] and new else "",
+             "hopper" if any(isinstance(v, FlashFwdSm90Variant)
+                             for v in kernels_kvcache(p, "sm_90")) else "",
+             "odd_head" if p["hs"] not in (64, 128) else "", "gqa" if p["gqa"] > 1 else "mha",
+             "f16" if p["dtype"] == "f16" else "bf16"}
+    return kinds - {""}
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_kvcache_cases_reach_the_edges(seed):
+    """Every edge of the dense cache (decode / speculative / prefill queries and more queries
+    than keys, no new keys and new keys dropped past a row's end, empty and full rows, tiny
+    and long caches, cache_seqlens as an int, cache_batch_idx None and spare rows, every mask,
+    split-KV, strided views, the Hopper kernel's reach on sm_90, both dtypes) occurs in the
+    default N cases of a seed, each at least 5 times."""
+    want = {"decode", "spec", "prefill", "more_q_than_keys", "no_new", "new", "dropped",
+            "empty_row", "full_row", "tiny_cache", "long_cache", "int_lens", "device_lens",
+            "no_batch_idx", "batch_idx", "spare_rows", "causal", "window", "unmasked",
+            "splits", "one_split", "auto", "lse", "out_none", "out_contig", "out_strided",
+            "q_strided", "cache_strided", "new_strided", "hopper", "odd_head", "gqa", "mha",
+            "f16", "bf16"}
+    seen = {k: 0 for k in want}
+    for _, p in _cases("flash_with_kvcache", seed, range(DEFAULT_CASES)):
+        assert 1 <= p["seqlen_cache"] and all(0 <= n <= p["seqlen_cache"] for n in p["lens"])
+        assert p["hs"] % 8 == 0 and 8 <= p["hs"] <= 256 and p["batch_cache"] >= p["batch"]
+        if p["batch_idx"] is not None:
+            assert len(set(p["batch_idx"])) == p["batch"]
+            assert all(0 <= r < p["batch_cache"] for r in p["batch_idx"])
+        for k in _kvcache_kinds(p) & want:
+            seen[k] += 1
+    assert min(seen.values()) >= 5, seen
+
+
+def test_kvcache_cache_check_bites():
+    """check_kvcache compares the caches bit for bit: one bit flipped in an appended slot,
+    in a slot left as it was, or in a NaN slot (another NaN) fails it."""
+    rng = np.random.default_rng(6)
+    fn, bitten = "flash_with_kvcache", 0
+    for i, p in _cases(fn, 13, range(40)):
+        if not p["new"]:
+            continue
+        c = SPECS[fn].build(p, _rng(13, fn, i, 1))
+        got = SPECS[fn].oracle(p, c)
+        check_kvcache(p, c, got)
+        appended = c["k_after"].view(np.uint16) != c["k_cache"].view(np.uint16)
+        nan = np.isnan(c["k_after"].astype(np.float32))
+        kept = ~appended & ~nan
+        for name in ("k_cache", "v_cache"):
+            for where in (appended, kept, nan):
+                if not where.any():
+                    continue
+                bad = dict(got, **{name: got[name].copy()})
+                j = int(rng.choice(np.flatnonzero(where)))
+                bad[name].view(np.uint16).flat[j] ^= np.uint16(1)
+                with pytest.raises(AssertionError, match=name):
+                    check_kvcache(p, c, bad)
+                bitten += 1
+    assert bitten >= 30
+
+
+def test_kvcache_reference_agrees_with_test_kvcache():
+    """build_kvcache's caches after the append and its out / lse equal test_kvcache.reference
+    (attention_reference per entry over the row after its own append, the oracle of the
+    GPU tests) on cases with dropped keys, empty rows, int lengths and hooks."""
+    from test_kvcache import reference
+    fn, checked = "flash_with_kvcache", 0
+    for i, p in _cases(fn, 17, range(DEFAULT_CASES)):
+        if p["sq"] * max(p["seqlen_cache"], 1) * p["nkv"] * p["gqa"] * p["batch"] > 3e5 or \
+                not ({"dropped", "empty_row", "int_lens"} & _kvcache_kinds(p)):
+            continue
+        c = SPECS[fn].build(p, _rng(17, fn, i, 1))
+        case = dict(q=c["q"], k_cache=c["k_cache"], v_cache=c["v_cache"], k=c["k"], v=c["v"],
+                    cache_seqlens=c["cache_seqlens"], rows=c["batch_idx"])
+        scale = p["scale"] or 1 / math.sqrt(p["hs"])
+        out, lse, kc, vc = reference(
+            case, scale, causal=p["causal"], window=p["window"], softcap=p["softcap"],
+            alibi=c["alibi_slopes"], sinks=c["sinks"])
+        assert np.array_equal(kc.view(np.uint16), c["k_after"].view(np.uint16)), i
+        assert np.array_equal(vc.view(np.uint16), c["v_after"].view(np.uint16)), i
+        assert np.allclose(c["ref"], out, atol=1e-10), i
+        assert np.allclose(c["ref_lse"], lse, atol=1e-10), i
+        checked += 1
+        if checked == 12:
+            break
+    assert checked == 12
