@@ -1730,7 +1730,7 @@ def _fit_kvcache(p):
             p["sq"] = max(1, sq * 7 // 10)
             if p["new"] == sq:
                 p["new"] = p["sq"]
-        p["new"] = min(p["new"], p["seqlen_cache"] + 16)
+    p["new"] = min(p["new"], p["seqlen_cache"])   # (more new keys than slots: a ValueError)
 
 
 _KVCACHE_EDGES = (17, 31, 63, 64, 65, 127, 128, 129, 255, 256, 257, 511, 512, 513)
