@@ -1094,7 +1094,8 @@ struct FlashCombineTraits {
 // by their lse (the SoftmaxState merge in natural-log units: m = max lse_s, w_s = exp(lse_s
 // - m), out = sum w_s o_s / sum w_s, lse = m + log(sum w_s)), writes the row in T at its
 // place in out, and the lse when asked. Splits that saw no key (lse = -inf) weigh 0; a row no
-// split saw gives zeros and -inf.
+// split saw gives zeros and -inf. Varlen rows outside every sequence (no split wrote their
+// partials) are not written.
 template <typename Tr>
 __device__ void flash_fwd_combine_kernel(const FlashFwdParams& p) {
   using T = typename Tr::T;
@@ -1103,6 +1104,10 @@ __device__ void flash_fwd_combine_kernel(const FlashFwdParams& p) {
   if (row >= (long long)p.total_q * p.num_heads) return;
   const long long tok = row / p.num_heads;
   const int h = static_cast<int>(row % p.num_heads);
+  if (p.cu_seqlens_q != nullptr) {
+    const int* cu = static_cast<const int*>(p.cu_seqlens_q);
+    if (tok < cu[0] || tok >= cu[p.batch]) return;
+  }
   const float* lacc = static_cast<const float*>(p.lseaccum);
   const float* oacc = static_cast<const float*>(p.oaccum);
 
