@@ -928,9 +928,9 @@ def _dsinks_of(c, out, lse):
     """dsinks = -sum over rows of p_sink * D, D = rowsum(dout * out), in float64 from the out
     and lse the backward is given (the forward's, rounded), as the kernel defines it. The
     float64 reference's own out differs from the forward's by more than its low-precision
-    twin models (the forward divides rounded P V by the unrounded sum: seen as a 2.3x miss
-    at f16 with large V, device call 2 of the issue-34 session), and dsinks sums that
-    difference over every row; dq / dk / dv keep the reference's rule."""
+    twin models (a 2.3x miss at f16 with V near 65504; read from the code, not measured: the
+    forward divides rounded P V by the unrounded sum), and dsinks sums that difference over
+    every row; dq / dk / dv keep the reference's rule."""
     sinks = np.asarray(c["sinks"], np.float64)
     dout, out, lse = (np.asarray(a, np.float64) for a in (c["dout"], out, lse))
     d = (dout * out).sum(-1)                                   # (..., rows, heads)
