@@ -4,8 +4,9 @@ cuda_src/common/softmax.cuh's callers).
 
 - softcap: a float >= 0 (0: off). A scaled score s becomes softcap * tanh(s / softcap)
   before the mask and the bias (Gemma 2; FlashAttention-2's softcap).
-- alibi_slopes: float32 (nheads,) on the call's device: the bias -slope * |i' - j| between
-  query position i' (bottom-right aligned) and key j (FlashAttention-2's ALiBi).
+- alibi_slopes: float32 (nheads,) or (batch, nheads) (a slope per sequence and head) on the
+  call's device: the bias -slope * |i' - j| between query position i' (bottom-right
+  aligned) and key j (FlashAttention-2's ALiBi, both shapes).
 - sinks: float32 (nheads,): a logit per head, in the units of the scaled scores, that joins
   the softmax denominator and carries no value (gpt-oss's attention sinks); lse includes it.
 """
@@ -38,12 +39,36 @@ def check_head_vector(x, nheads: int, name: str, device_id: int) -> None:
     A.check_same_device({name: x}, device_id)
 
 
-def check_hooks(softcap, alibi_slopes, sinks, nheads: int, device_id: int) -> tuple[int, float]:
-    """(the FEAT_* bits of the call, softcap as a float)."""
+def check_slopes(x, batch: int, nheads: int, device_id: int) -> None:
+    """alibi_slopes: float32 (nheads,) or (batch, nheads), rows contiguous, on the device."""
+    if x.ndim not in (1, 2):
+        raise ValueError(f"alibi_slopes: expected shape (nheads,) or (batch, nheads), got "
+                         f"{tuple(x.shape)}")
+    if x.ndim == 1:
+        return check_head_vector(x, nheads, "alibi_slopes", device_id)
+    A.check_dtype(x, np.float32, "alibi_slopes")
+    A.check_shape(x, (batch, nheads), "alibi_slopes", "(nheads,) or (batch, nheads)")
+    A.check_last_dim_contiguous(x, "alibi_slopes")
+    A.check_aligned(x, 4, "alibi_slopes")
+    if x.strides[0] % 4 or not 0 <= x.strides[0] // 4 < 2**31:
+        raise ValueError(f"alibi_slopes: row stride {x.strides[0]} bytes is not a non-negative "
+                         "multiple of 4 below 2**33")
+    A.check_same_device({"alibi_slopes": x}, device_id)
+
+
+def alibi_stride(alibi_slopes) -> int:
+    """The params' alibi row stride (elements): 0 for none or (nheads,) slopes."""
+    return 0 if alibi_slopes is None or alibi_slopes.ndim != 2 else alibi_slopes.strides[0] // 4
+
+
+def check_hooks(softcap, alibi_slopes, sinks, nheads: int, device_id: int,
+                batch: int) -> tuple[int, float]:
+    """(the FEAT_* bits of the call, softcap as a float). batch: the sequences of the call
+    (the first dimension of (batch, nheads) slopes)."""
     softcap = check_softcap(softcap)
     features = FEAT_SOFTCAP if softcap > 0 else 0
     if alibi_slopes is not None:
-        check_head_vector(alibi_slopes, nheads, "alibi_slopes", device_id)
+        check_slopes(alibi_slopes, batch, nheads, device_id)
         features |= FEAT_ALIBI
     if sinks is not None:
         check_head_vector(sinks, nheads, "sinks", device_id)

@@ -16,7 +16,7 @@ import numpy as np
 from . import _arrays as A
 from . import _tma, tuning
 from ._dtypes import activation_dtype
-from ._hooks import check_hooks, hook_fields
+from ._hooks import alibi_stride, check_hooks, hook_fields
 from ._launch import (NULL, Launch, Plan, execute, on_device, plan_cache, plan_for,
                       returns)
 from .jit import device_info, get_kernel
@@ -164,7 +164,7 @@ def _fixed_plan(arrays, causal, softmax_scale, window_size, softcap, return_lse,
     softmax_scale, left, right, num_splits, return_lse = _check_options(
         causal, softmax_scale, window_size, num_splits, return_lse, head_dim)
     device_id = q.device.id
-    features, softcap = check_hooks(softcap, alibi_slopes, sinks, nheads, device_id)
+    features, softcap = check_hooks(softcap, alibi_slopes, sinks, nheads, device_id, batch)
     if out is not None:
         A.check_output(out, q.shape, q.dtype, "out", doc_q, device_id, align=16)
     os_ = A.element_strides_or_contiguous(out, q.shape)
@@ -177,7 +177,7 @@ def _fixed_plan(arrays, causal, softmax_scale, window_size, softcap, return_lse,
         v_stride_batch=vs[0], v_stride_row=vs[1], v_stride_head=vs[2],
         o_stride_batch=os_[0], o_stride_row=os_[1], o_stride_head=os_[2],
         lse_stride_batch=ls[0], lse_stride_head=ls[1], lse_stride_row=ls[2],
-        seqlen_q=sq, seqlen_k=sk)
+        seqlen_q=sq, seqlen_k=sk, alibi_stride_batch=alibi_stride(alibi_slopes))
     return _plan(Call(
         device_id=device_id, dtype=dtype, q=q, nheads_kv=k.shape[-2], out=out,
         lse_shape=lse_shape if return_lse else None, num_args=6, out_arg=5,
@@ -204,7 +204,7 @@ def _varlen_plan(arrays, max_seqlen_q, max_seqlen_k, causal, softmax_scale, wind
         causal, softmax_scale, window_size, num_splits, return_lse, head_dim)
     device_id = q.device.id
     A.check_same_device({"cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k}, device_id)
-    features, softcap = check_hooks(softcap, alibi_slopes, sinks, nheads, device_id)
+    features, softcap = check_hooks(softcap, alibi_slopes, sinks, nheads, device_id, batch)
     if out is not None:
         A.check_output(out, q.shape, q.dtype, "out", doc_q, device_id, align=16)
     os_ = A.element_strides_or_contiguous(out, q.shape)
@@ -217,7 +217,7 @@ def _varlen_plan(arrays, max_seqlen_q, max_seqlen_k, causal, softmax_scale, wind
         v_stride_batch=0, v_stride_row=vs[0], v_stride_head=vs[1],
         o_stride_batch=0, o_stride_row=os_[0], o_stride_head=os_[1],
         lse_stride_batch=0, lse_stride_head=ls[0], lse_stride_row=ls[1],
-        seqlen_q=max(total_q, 1), seqlen_k=0)
+        seqlen_q=max(total_q, 1), seqlen_k=0, alibi_stride_batch=alibi_stride(alibi_slopes))
     # Rows never covered by a sequence (past cu_seqlens_q[-1]) are not written.
     return _plan(Call(
         device_id=device_id, dtype=dtype, q=q, nheads_kv=k.shape[-2], out=out,
@@ -356,7 +356,8 @@ def _plan(c: Call) -> Plan:
             extra = _tma.FlashMaps(c.dtype.short, *c.qkv, qkv_slots, variant.block_n,
                                    counter_slot, kv=variant.kv, head_dim=variant.head_dim)
     fields = dict(k_stride_block=0, v_stride_block=0, k_stride_chunk=8, v_stride_dim=0,
-                  bt_stride_seq=0, block_shift=0, max_blocks_per_seq=0, new_keys=0, v_scale=1.0)
+                  bt_stride_seq=0, block_shift=0, max_blocks_per_seq=0, new_keys=0, v_scale=1.0,
+                  k_scales_stride=0, v_scales_stride=0, alibi_stride_batch=0)
     fields.update(c.fields)
     tail = FLASH_PARAMS.tail(
         batch=c.batch, num_heads=nheads, head_group=nheads // c.nheads_kv, total_q=c.total_q,

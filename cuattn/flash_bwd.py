@@ -14,7 +14,7 @@ import numpy as np
 
 from . import _arrays as A
 from . import tuning_bwd
-from ._hooks import check_hooks, hook_fields
+from ._hooks import alibi_stride, check_hooks, hook_fields
 from ._launch import NULL, Launch, Plan, execute, on_device, plan_cache, plan_for, returns
 from .flash import _INT32_MAX, _MAX_GRID_YZ, _check_cu_seqlens, _check_options, _check_qkv, \
     _mask_and_bounds, check_fixed_lengths, check_max_seqlens
@@ -112,10 +112,10 @@ def _fixed_plan(arrays, causal, softmax_scale, window_size, softcap, determinist
         arrays, 4, doc_q, doc_kv, (batch, nheads, sq), "(batch, nheads, seqlen_q)", causal,
         softmax_scale, window_size, softcap, deterministic)
     sk = check_fixed_lengths(q, k)
-    features, softcap = check_hooks(softcap, alibi_slopes, sinks, nheads, device_id)
+    features, softcap = check_hooks(softcap, alibi_slopes, sinks, nheads, device_id, batch)
     _check_grads(dq, dk, dv, q, k, doc_q, doc_kv, device_id)
     fields = _stride_fields(arrays, (dq, dk, dv), varlen=False)
-    fields.update(seqlen_q=sq, seqlen_k=sk)
+    fields.update(seqlen_q=sq, seqlen_k=sk, alibi_stride_batch=alibi_stride(alibi_slopes))
     return _plan(device_id=device_id, dtype=dtype, q=q, k=k, grads=(dq, dk, dv), batch=batch,
                  max_sq=sq, max_sk=sk, total_q=batch * sq, varlen=False,
                  softmax_scale=softmax_scale, left=left, right=right, softcap=softcap,
@@ -139,10 +139,12 @@ def _varlen_plan(arrays, max_seqlen_q, max_seqlen_k, causal, softmax_scale, wind
     if total_q > _INT32_MAX or k.shape[0] > _INT32_MAX:
         raise ValueError(f"q: total_q {total_q} must fit in int32")
     A.check_same_device({"cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k}, device_id)
-    features, softcap = check_hooks(softcap, alibi_slopes, sinks, nheads, device_id)
+    features, softcap = check_hooks(softcap, alibi_slopes, sinks, nheads, device_id,
+                                    cu_q.shape[0] - 1)
     _check_grads(dq, dk, dv, q, k, doc_q, doc_kv, device_id)
     fields = _stride_fields((dout, q, k, v, out, lse), (dq, dk, dv), varlen=True)
-    fields.update(seqlen_q=max(total_q, 1), seqlen_k=0)
+    fields.update(seqlen_q=max(total_q, 1), seqlen_k=0,
+                  alibi_stride_batch=alibi_stride(alibi_slopes))
     return _plan(device_id=device_id, dtype=dtype, q=q, k=k, grads=(dq, dk, dv),
                  batch=cu_q.shape[0] - 1, max_sq=max_seqlen_q, max_sk=max_seqlen_k,
                  total_q=total_q, varlen=True, softmax_scale=softmax_scale, left=left,

@@ -49,7 +49,8 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-
 
     q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim),
     float16 or bfloat16, on a CUDA device; the options are cuattn.flash_forward's (causal
-    aligned to the bottom-right corner; alibi_slopes / sinks float32 (nheads,)).
+    aligned to the bottom-right corner; alibi_slopes float32 (nheads,) or (batch, nheads),
+    sinks float32 (nheads,)).
     Returns out like q. Gradients: dq, dk, dv from cuattn.flash_backward (GQA: summed
     over each KV head's query heads); dsinks for sinks; alibi_slopes get zeros (as
     flash-attn, which does not differentiate them). ``deterministic`` orders the
@@ -57,15 +58,16 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-
 
     Works eagerly and under jax.jit / jax.grad. jax.vmap adds leading axes: a call whose
     q, k, v are all mapped (and alibi_slopes / sinks not) runs as one call over the
-    vmapped axes folded into the batch; any other mix runs one cuattn call per mapped
-    element, inside the same callback.
+    vmapped axes folded into the batch ((batch, nheads) slopes mapped with them fold
+    alike); any other mix runs one cuattn call per mapped element, inside the same callback.
     """
     _check_qkv(q, k, v, 4, "(batch, seqlen_q, nheads, headdim)",
                "(batch, seqlen_k, nheads_kv, headdim)")
     if k.shape[0] != q.shape[0]:
         raise ValueError(f"k: batch {k.shape[0]} differs from q's {q.shape[0]}")
-    spec = _spec(False, q, causal, softmax_scale, window_size, softcap, deterministic, 0, 0)
-    _check_head_vectors(alibi_slopes, sinks, q.shape[-2])
+    _check_head_vectors(alibi_slopes, sinks, q.shape[-2], q.shape[0])
+    spec = _spec(False, q, causal, softmax_scale, window_size, softcap, deterministic, 0, 0,
+                 alibi_slopes)
     return _attention(spec, q, k, v, None, None, alibi_slopes, sinks)
 
 
@@ -88,10 +90,10 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     if cu_seqlens_q.shape != cu_seqlens_k.shape or cu_seqlens_q.shape[0] < 1:
         raise ValueError(f"cu_seqlens_k: expected the shape of cu_seqlens_q "
                          f"{cu_seqlens_q.shape} (batch + 1,), got {cu_seqlens_k.shape}")
+    _check_head_vectors(alibi_slopes, sinks, q.shape[-2], cu_seqlens_q.shape[0] - 1)
     spec = _spec(True, q, causal, softmax_scale, window_size, softcap, deterministic,
                  _static_length(max_seqlen_q, "max_seqlen_q"),
-                 _static_length(max_seqlen_k, "max_seqlen_k"))
-    _check_head_vectors(alibi_slopes, sinks, q.shape[-2])
+                 _static_length(max_seqlen_k, "max_seqlen_k"), alibi_slopes)
     return _attention(spec, q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks)
 
 
@@ -109,6 +111,7 @@ class _Spec:
     max_seqlen_q: int
     max_seqlen_k: int
     command_buffer: bool
+    alibi_rank: int             # alibi_slopes: 1 (nheads,), 2 (batch, nheads)
 
     @property
     def rank(self) -> int:
@@ -178,7 +181,8 @@ def _run_forward(spec, ctx, outputs, q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_
     stream = _stream_of(ctx, device)
     r = spec.rank
     arrays = _views(device, (outputs[0], r), (outputs[1], r - 1), (q, r), (k, r), (v, r),
-                    (cu_seqlens_q, 1), (cu_seqlens_k, 1), (alibi_slopes, 1), (sinks, 1))
+                    (cu_seqlens_q, 1), (cu_seqlens_k, 1), (alibi_slopes, spec.alibi_rank),
+                    (sinks, 1))
     options = spec.options()
 
     def work():
@@ -204,7 +208,8 @@ def _run_backward(spec, ctx, outputs, dout, q, k, v, out, lse, cu_seqlens_q, cu_
     dsinks = outputs[3] if sinks is not None else None
     arrays = _views(device, (outputs[0], r), (outputs[1], r), (outputs[2], r), (dsinks, 1),
                     (dout, r), (q, r), (k, r), (v, r), (out, r), (lse, r - 1),
-                    (cu_seqlens_q, 1), (cu_seqlens_k, 1), (alibi_slopes, 1), (sinks, 1))
+                    (cu_seqlens_q, 1), (cu_seqlens_k, 1), (alibi_slopes, spec.alibi_rank),
+                    (sinks, 1))
     options = spec.options()
     backward = _kernel("flash_varlen_backward" if spec.varlen else "flash_backward")
 
@@ -342,19 +347,22 @@ def _check_qkv(q, k, v, ndim: int, doc_q: str, doc_kv: str) -> None:
         raise ValueError(f"k: nheads_kv = {nheads_kv} must divide nheads = {nheads}")
 
 
-def _check_head_vectors(alibi_slopes, sinks, nheads: int) -> None:
+def _check_head_vectors(alibi_slopes, sinks, nheads: int, batch: int) -> None:
     for name, x in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
         if x is None:
             continue
         if not hasattr(x, "dtype") or x.dtype != jnp.float32:
             raise TypeError(f"{name}: expected a float32 jax.Array of shape (nheads,), got "
                             f"{getattr(x, 'dtype', type(x).__name__)}")
-        if tuple(x.shape) != (nheads,):
-            raise ValueError(f"{name}: expected shape ({nheads},) (nheads,), got {x.shape}")
+        shapes = ((nheads,), (batch, nheads)) if name == "alibi_slopes" else ((nheads,),)
+        if tuple(x.shape) not in shapes:
+            doc = "(nheads,) or (batch, nheads)" if len(shapes) > 1 else "(nheads,)"
+            expected = " or ".join(str(s) for s in shapes)
+            raise ValueError(f"{name}: expected shape {expected} {doc}, got {x.shape}")
 
 
 def _spec(varlen, q, causal, softmax_scale, window_size, softcap, deterministic,
-          max_seqlen_q, max_seqlen_k) -> _Spec:
+          max_seqlen_q, max_seqlen_k, alibi_slopes) -> _Spec:
     for name, flag in (("causal", causal), ("deterministic", deterministic)):
         if not isinstance(flag, (bool, np.bool_)):
             raise TypeError(f"{name}: expected a bool, got {type(flag).__name__}")
@@ -364,7 +372,8 @@ def _spec(varlen, q, causal, softmax_scale, window_size, softcap, deterministic,
     empty = 0 in q.shape or (varlen and 0 in (max_seqlen_q, max_seqlen_k))
     return _Spec(varlen, bool(causal), scale, window, check_softcap(softcap),
                  bool(deterministic), max_seqlen_q, max_seqlen_k,
-                 _COMMAND_BUFFER and not empty)
+                 _COMMAND_BUFFER and not empty,
+                 1 if alibi_slopes is None else len(alibi_slopes.shape))
 
 
 def _static_length(value, name: str) -> int:

@@ -22,10 +22,11 @@ import numpy as np
 from . import _arrays as A
 from . import tuning
 from ._dtypes import activation_dtype
-from ._hooks import check_hooks
+from ._hooks import alibi_stride, check_hooks
 from ._launch import NULL, Launch, Plan, execute, on_device, plan_cache, plan_for
 from .flash import _INT32_MAX, _MAX_GRID_YZ, _check_options
 from .jit import get_kernel
+from .paged import scales
 from .paged.layout import MAX_FLASH_CONTEXT, CacheInfo
 from .paged.prefill import flash_form_plan
 from .variants import KVCACHE_APPEND_PARAMS
@@ -197,7 +198,7 @@ def _plan(arrays, cache_len, own_table, causal, softmax_scale, window_size, soft
                          f"(seqlen_cache {seqlen_cache})")
     softmax_scale, left, right, num_splits, return_lse = _check_options(
         causal, softmax_scale, window_size, num_splits, return_lse, head_size)
-    features, softcap = check_hooks(softcap, alibi_slopes, sinks, nheads, device_id)
+    features, softcap = check_hooks(softcap, alibi_slopes, sinks, nheads, device_id, batch)
     if out is not None:
         A.check_output(out, q.shape, q.dtype, "out", _Q_DOC, device_id, align=16)
     q3 = _packed(q, "q")
@@ -209,9 +210,10 @@ def _plan(arrays, cache_len, own_table, causal, softmax_scale, window_size, soft
     plan = flash_form_plan(
         q3, k_cache, v_cache, table.reshape(batch, 1), info, "nhd", dtype=dtype,
         features=features, softcap=softcap, softmax_scale=softmax_scale, left=left,
-        right=right, num_splits=num_splits, k_scale=1.0, v_scale=1.0, out=out3,
+        right=right, num_splits=num_splits, k_scale=scales.NONE, v_scale=scales.NONE, out=out3,
         return_lse=return_lse, num_args=len(arrays), max_seqlen_q=seqlen_q, causal=causal,
         capacity=seqlen_cache, new_keys=cache_len + seqlen_new,
+        alibi_stride=alibi_stride(alibi_slopes),
         hopper_ok=seqlen_q >= _HOPPER_MIN_SEQLEN_Q and seqlen_cache >= _HOPPER_MIN_SEQLEN_CACHE)
     if not seqlen_new or batch == 0:
         return plan

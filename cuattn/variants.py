@@ -19,6 +19,7 @@ FLASH_PARAMS = ParamsStruct("FlashFwdParams", [
     ("q", "ptr"), ("k", "ptr"), ("v", "ptr"), ("out", "out"), ("lse", "out"),
     ("oaccum", "out"), ("lseaccum", "out"), ("cu_seqlens_q", "ptr"), ("cu_seqlens_k", "ptr"),
     ("block_tables", "ptr"), ("seqused_k", "ptr"), ("alibi_slopes", "ptr"), ("sinks", "ptr"),
+    ("k_scales", "ptr"), ("v_scales", "ptr"),
     ("q_stride_batch", "i64"), ("q_stride_row", "i64"), ("q_stride_head", "i64"),
     ("k_stride_batch", "i64"), ("k_stride_row", "i64"), ("k_stride_head", "i64"),
     ("v_stride_batch", "i64"), ("v_stride_row", "i64"), ("v_stride_head", "i64"),
@@ -32,6 +33,7 @@ FLASH_PARAMS = ParamsStruct("FlashFwdParams", [
     ("max_blocks_per_seq", "i32"), ("new_keys", "i32"),
     ("scale_log2", "f32"), ("softmax_scale_inv", "f32"), ("softcap_in", "f32"),
     ("softcap_out", "f32"), ("v_scale", "f32"), ("m_blocks", "i32"),
+    ("k_scales_stride", "i32"), ("v_scales_stride", "i32"), ("alibi_stride_batch", "i32"),
 ])
 
 FLASH_BWD_PARAMS = ParamsStruct("FlashBwdParams", [
@@ -52,7 +54,7 @@ FLASH_BWD_PARAMS = ParamsStruct("FlashBwdParams", [
     ("seqlen_k", "i32"), ("total_q", "i32"), ("head_dim", "i32"), ("window_left", "i32"),
     ("window_right", "i32"), ("dq_slices", "i32"), ("deterministic", "i32"),
     ("scale_log2", "f32"), ("softmax_scale", "f32"), ("softmax_scale_inv", "f32"),
-    ("softcap_in", "f32"), ("softcap_out", "f32"),
+    ("softcap_in", "f32"), ("softcap_out", "f32"), ("alibi_stride_batch", "i32"),
 ])
 
 MERGE_PARAMS = ParamsStruct("MergeParams", [
@@ -71,7 +73,8 @@ MERGE_PARAMS = ParamsStruct("MergeParams", [
 PAGED_PARAMS = ParamsStruct("PagedParams", [
     ("out", "out"), ("lse", "out"), ("tmp_out", "out"), ("tmp_lse", "out"), ("q", "ptr"),
     ("k_cache", "ptr"), ("v_cache", "ptr"), ("block_tables", "ptr"), ("seq_lens", "ptr"),
-    ("alibi_slopes", "ptr"), ("sinks", "ptr"), ("cu_seqlens_q", "ptr"),
+    ("alibi_slopes", "ptr"), ("sinks", "ptr"), ("cu_seqlens_q", "ptr"), ("k_scales", "ptr"),
+    ("v_scales", "ptr"),
     ("q_stride_seq", "i64"), ("q_stride_head", "i64"),
     ("out_stride_seq", "i64"), ("out_stride_head", "i64"),
     ("lse_stride_head", "i64"), ("lse_stride_seq", "i64"),
@@ -82,7 +85,8 @@ PAGED_PARAMS = ParamsStruct("PagedParams", [
     ("scale_log2", "f32"), ("v_scale", "f32"), ("softcap_in", "f32"), ("softcap_out", "f32"),
     ("num_seqs", "i32"), ("num_heads", "i32"), ("gqa_ratio", "i32"),
     ("max_blocks_per_seq", "i32"), ("max_parts", "i32"), ("logits_stride", "i32"),
-    ("window_left", "i32"), ("window_right", "i32"),
+    ("window_left", "i32"), ("window_right", "i32"), ("k_scales_stride", "i32"),
+    ("v_scales_stride", "i32"), ("alibi_stride_seq", "i32"),
 ])
 
 PAGED_REDUCE_PARAMS = ParamsStruct("PagedReduceParams", [
@@ -96,7 +100,7 @@ PAGED_REDUCE_PARAMS = ParamsStruct("PagedReduceParams", [
 
 RESHAPE_PARAMS = ParamsStruct("ReshapeCacheParams", [
     ("key", "ptr"), ("value", "ptr"), ("k_cache", "out"), ("v_cache", "out"),
-    ("slot_mapping", "ptr"),
+    ("slot_mapping", "ptr"), ("k_scales", "ptr"), ("v_scales", "ptr"),
     ("key_stride_token", "i64"), ("key_stride_head", "i64"),
     ("value_stride_token", "i64"), ("value_stride_head", "i64"),
     ("k_stride_block", "i64"), ("k_stride_head", "i64"), ("k_stride_x", "i64"),
@@ -105,6 +109,7 @@ RESHAPE_PARAMS = ParamsStruct("ReshapeCacheParams", [
     ("v_stride_token", "i64"),
     ("k_scale", "f32"), ("v_scale", "f32"),
     ("num_tokens", "i32"), ("num_kv_heads", "i32"), ("head_size", "i32"), ("block_size", "i32"),
+    ("k_scales_stride", "i32"), ("v_scales_stride", "i32"),
 ])
 
 FLASHINFER_TABLES_PARAMS = ParamsStruct("FlashInferTablesParams", [

@@ -392,7 +392,8 @@ struct BwdBlock {
                                                  bool masked) const {
     float slope = 0.f;
     if constexpr (Tr::ALIBI) {
-      slope = static_cast<const float*>(p.alibi_slopes)[h] * p.softmax_scale_inv;
+      slope = static_cast<const float*>(p.alibi_slopes)[blockIdx.z * p.alibi_stride_batch + h] *
+              p.softmax_scale_inv;
     }
     const typename Tr::Logits hook(slope, p.softcap_in, p.softcap_out);
 #pragma unroll

@@ -895,7 +895,10 @@ __device__ void flash_fwd_kernel(const FlashFwdParams& p) {
       for (int e = 0; e < 4; ++e) o_acc[mt][nt][e] = 0.f;
     }
   }
-  WarpSoftmax<Tr> softmax(p.scale_log2);
+  // fp8 caches whose K scale is in device memory: this KV head's scale joins the softmax
+  // scale here (the host folds a Python float into p's constants; then k_unit is 1).
+  const float k_unit = Tr::FP8 ? kv_head_scale(p.k_scales, p.k_scales_stride, kvh) : 1.f;
+  WarpSoftmax<Tr> softmax(p.scale_log2 * k_unit);
   // This thread's rows (mt, hr): their tokens (the mask's row index; PACK_GQA: kept, one
   // division each) and logits hooks.
   auto row_of = [&](int mt, int hr) { return m0 + warp * Tr::WARP_M + mt * 16 + g + hr * 8; };
@@ -909,10 +912,11 @@ __device__ void flash_fwd_kernel(const FlashFwdParams& p) {
       packed_tok[mt][hr] = qrows.token(R);
       float slope = 0.f;
       if constexpr (Tr::ALIBI) {
-        slope = static_cast<const float*>(p.alibi_slopes)[qrows.head(min(R, m_last))] *
-                p.softmax_scale_inv;
+        slope = static_cast<const float*>(
+                    p.alibi_slopes)[b * p.alibi_stride_batch + qrows.head(min(R, m_last))] *
+                (p.softmax_scale_inv / k_unit);
       }
-      hook[mt][hr] = typename Tr::Logits(slope, p.softcap_in, p.softcap_out);
+      hook[mt][hr] = typename Tr::Logits(slope, p.softcap_in * k_unit, p.softcap_out / k_unit);
     }
   }
   // ldmatrix lane patterns. K (B of S = Q K^T, x4 = keys 0-7 / 8-15 x chunks 2s, 2s+1):
@@ -1056,16 +1060,18 @@ __device__ void flash_fwd_kernel(const FlashFwdParams& p) {
     for (int hr = 0; hr < 2; ++hr) {
       const int R = min(row_of(mt, hr), m_last);
       sink[mt][hr] = FINISH_SINKS
-                         ? static_cast<const float*>(p.sinks)[qrows.head(R)] * p.softmax_scale_inv
+                         ? static_cast<const float*>(p.sinks)[qrows.head(R)] *
+                               (p.softmax_scale_inv / k_unit)
                          : 0.f;
     }
   }
   auto rows = softmax.template finish<FINISH_SINKS>(sink);
   if constexpr (Tr::FP8) {   // V was widened unscaled: O = v_scale x P V
+    const float v_scale = p.v_scale * kv_head_scale(p.v_scales, p.v_scales_stride, kvh);
 #pragma unroll
     for (int mt = 0; mt < M_TILES; ++mt) {
-      rows.inv_sum[mt][0] *= p.v_scale;
-      rows.inv_sum[mt][1] *= p.v_scale;
+      rows.inv_sum[mt][0] *= v_scale;
+      rows.inv_sum[mt][1] *= v_scale;
     }
   }
   if constexpr (Tr::SPLIT) {

@@ -771,7 +771,8 @@ __device__ void flash_fwd_sm90_kernel(const FlashFwdParams& p, const FlashTmaMap
 
     float slope = 0.f;
     if constexpr (Tr::ALIBI) {
-      slope = static_cast<const float*>(p.alibi_slopes)[blk.head] * p.softmax_scale_inv / unit;
+      slope = static_cast<const float*>(p.alibi_slopes)[blk.b * p.alibi_stride_batch + blk.head] *
+              p.softmax_scale_inv / unit;
     }
     const typename Tr::Logits hook(slope, p.softcap_in, 1.f);
 

@@ -155,10 +155,12 @@ __device__ void paged_attention_kernel(const PagedParams& p) {
 
   // ---- query -> shared memory (float, pre-scaled by softmax_scale * k_scale * log2 e) ------
   const T* q = static_cast<const T*>(p.q) + seq * p.q_stride_seq;
+  const float q_scale = p.scale_log2 * kv_head_scale(p.k_scales, p.k_scales_stride, kv_head);
   for (int i = tid; i < GROUP * HEAD_SIZE; i += NUM_THREADS)
-    q_s[i] = to_float(q[(head0 + i / HEAD_SIZE) * p.q_stride_head + i % HEAD_SIZE]) * p.scale_log2;
+    q_s[i] = to_float(q[(head0 + i / HEAD_SIZE) * p.q_stride_head + i % HEAD_SIZE]) * q_scale;
   if (Tr::ALIBI && tid < GROUP) {
-    slope_s[tid] = static_cast<const float*>(p.alibi_slopes)[head0 + tid] * kLog2e;
+    slope_s[tid] =
+        static_cast<const float*>(p.alibi_slopes)[seq * p.alibi_stride_seq + head0 + tid] * kLog2e;
   }
   if (Tr::SINKS && !V2 && tid < GROUP) {
     sink_s[tid] = static_cast<const float*>(p.sinks)[head0 + tid] * kLog2e;
@@ -282,7 +284,8 @@ __device__ void paged_attention_kernel(const PagedParams& p) {
     // (v2: the sinks join in the reduce)
     const float alpha = Tr::SINKS && !V2 ? st.add_sink<false>(sink_s[tid], 1.f) : 1.f;
     state_s[tid] = st;
-    inv_sum_s[tid] = p.v_scale * alpha * st.inv_sum();
+    const float v_scale = p.v_scale * kv_head_scale(p.v_scales, p.v_scales_stride, kv_head);
+    inv_sum_s[tid] = v_scale * alpha * st.inv_sum();
   }
 
   // ---- out = P . V -------------------------------------------------------------------------

@@ -208,7 +208,8 @@ __device__ void paged_attention_mma_kernel(const PagedParams& p) {
       if constexpr (Tr::ALIBI) {
         if (valid)
           hook[nt][j].slope =
-              static_cast<const float*>(p.alibi_slopes)[head0 + c % GROUP] * kLog2e;
+              static_cast<const float*>(p.alibi_slopes)[seq * p.alibi_stride_seq + head0 + c % GROUP] *
+              kLog2e;
       }
     }
   }

@@ -64,6 +64,8 @@ __device__ void reshape_and_cache_kernel(const ReshapeCacheParams& p) {
     } else {
       // 16-bit input -> fp8: X = 16 elements, two 16-byte input vectors per cache vector.
       constexpr int IN = ElemsPer16B<T>::value;
+      const float k_scale = p.k_scale * kv_head_scale(p.k_scales, p.k_scales_stride, head);
+      const float v_scale = p.v_scale * kv_head_scale(p.v_scales, p.v_scales_stride, head);
       Vec16 packed;
       CACHE_T* kq = reinterpret_cast<CACHE_T*>(&packed);
 #pragma unroll
@@ -73,8 +75,8 @@ __device__ void reshape_and_cache_kernel(const ReshapeCacheParams& p) {
         unpack16<T>(load16(v_src + half * IN), vf);
 #pragma unroll
         for (int e = 0; e < IN; ++e) {
-          kq[half * IN + e] = from_float<CACHE_T>(__fdiv_rn(kf[e], p.k_scale));
-          v_dst[(half * IN + e) * p.v_stride_dim] = from_float<CACHE_T>(__fdiv_rn(vf[e], p.v_scale));
+          kq[half * IN + e] = from_float<CACHE_T>(__fdiv_rn(kf[e], k_scale));
+          v_dst[(half * IN + e) * p.v_stride_dim] = from_float<CACHE_T>(__fdiv_rn(vf[e], v_scale));
         }
       }
       store16(k_dst, packed);

@@ -20,9 +20,15 @@ def attention_grads_reference(q, k, v, dout, scale, *, sinks=None, **options):
     return dq, dk, dv, (np.zeros(q.shape[1]) if dsinks is None else dsinks)
 
 
-def forward_reference(q, k, v, scale, **options):
+def alibi_row(alibi, b: int):
+    """The slopes batch entry b sees: alibi (nheads,) itself, row b of (batch, nheads)."""
+    return alibi if alibi is None or np.ndim(alibi) == 1 else alibi[b]
+
+
+def forward_reference(q, k, v, scale, *, alibi=None, **options):
     """Float64 (out, lse) of a batch: out (B, sq, H, D), lse (B, H, sq)."""
-    pairs = [attention_reference(q[b], k[b], v[b], scale, **options) for b in range(q.shape[0])]
+    pairs = [attention_reference(q[b], k[b], v[b], scale, alibi=alibi_row(alibi, b), **options)
+             for b in range(q.shape[0])]
     return np.stack([o for o, _ in pairs]), np.stack([lse for _, lse in pairs])
 
 
@@ -38,9 +44,10 @@ def jax_attention(q, k, v, *, scale, causal=False, window=(-1, -1), softcap=0.0,
     s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * scale
     if softcap > 0:
         s = softcap * jnp.tanh(s / softcap)
-    if alibi is not None:
+    if alibi is not None:     # (nheads,) or (batch, nheads)
         pos = np.arange(sq)[:, None] + sk - sq
-        s = s - alibi[None, :, None, None] * np.abs(pos - np.arange(sk)[None, :]).astype(s.dtype)
+        rows = alibi if alibi.ndim == 2 else alibi[None]
+        s = s - rows[:, :, None, None] * np.abs(pos - np.arange(sk)[None, :]).astype(s.dtype)
     s = jnp.where(visible(sq, sk, causal, window), s, -jnp.inf)
     if sinks is not None:
         column = jnp.broadcast_to(sinks[None, :, None, None].astype(s.dtype), s.shape[:3] + (1,))

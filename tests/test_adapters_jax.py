@@ -17,7 +17,8 @@ import math
 import numpy as np
 import pytest
 
-from tests.adapter_reference import attention_grads_reference, forward_reference, jax_attention
+from tests.adapter_reference import (alibi_row, attention_grads_reference, forward_reference,
+                                     jax_attention)
 from tests.reference import attention_reference, grad_tolerance, tolerance
 
 jax = pytest.importorskip("jax", exc_type=ImportError)
@@ -41,7 +42,7 @@ def _fake_backward(dout, q, k, v, out, lse, *, causal, softmax_scale, window_siz
                    alibi_slopes, sinks, deterministic, dq, dk, dv, stream):
     grads = [attention_grads_reference(q[b], k[b], v[b], dout[b], softmax_scale,
                                        causal=causal, window=window_size, softcap=softcap,
-                                       alibi=alibi_slopes, sinks=sinks)
+                                       alibi=alibi_row(alibi_slopes, b), sinks=sinks)
              for b in range(q.shape[0])]
     for i, dx in enumerate((dq, dk, dv)):
         dx[...] = np.stack([g[i] for g in grads]).astype(dx.dtype)
@@ -123,6 +124,7 @@ CASES = [
     dict(causal=True, softcap=5.0),
     dict(sinks=True),
     dict(alibi=True, causal=True),
+    dict(alibi="batch", causal=True),
 ]
 
 
@@ -132,7 +134,9 @@ def test_plumbing_gradients_match_jax_autodiff(on_cpu, case):
     attention; GQA (4 query heads on 2 kv heads), seqlen_q < seqlen_k."""
     q, k, v, dout = _inputs(0, (2, 5, 4, 16), (2, 7, 2, 16))
     rng = np.random.default_rng(1)
-    alibi = jnp.asarray(rng.uniform(0.1, 0.5, 4), jnp.float32) if case.get("alibi") else None
+    alibi_shape = (2, 4) if case.get("alibi") == "batch" else (4,)
+    alibi = jnp.asarray(rng.uniform(0.1, 0.5, alibi_shape), jnp.float32) \
+        if case.get("alibi") else None
     sinks = jnp.asarray(rng.standard_normal(4), jnp.float32) if case.get("sinks") else None
     options = dict(causal=case.get("causal", False), window_size=case.get("window", (-1, -1)),
                    softcap=case.get("softcap", 0.0))
@@ -225,8 +229,8 @@ def test_plumbing_eager_calls_reuse_one_compiled_program(on_cpu):
     eager call compiles nothing new."""
     q, k, v, _ = _inputs(6, (1, 4, 2, 16), (1, 4, 2, 16))
     first = cjax.flash_attention(q, k, v, causal=True)
-    assert cjax._forward_callback(cjax._spec(False, q, True, None, (-1, -1), 0.0, False, 0, 0)) \
-        is cjax._forward_callback(cjax._spec(False, q, True, None, (-1, -1), 0.0, False, 0, 0))
+    spec = (False, q, True, None, (-1, -1), 0.0, False, 0, 0, None)
+    assert cjax._forward_callback(cjax._spec(*spec)) is cjax._forward_callback(cjax._spec(*spec))
     np.testing.assert_array_equal(np.asarray(first),
                                   np.asarray(cjax.flash_attention(q, k, v, causal=True)))
 
@@ -358,11 +362,15 @@ def test_gradients_against_jax(case, dtype, command_buffer):
 
 
 @pytest.mark.gpu
-def test_alibi_gradient_is_zero_and_output_matches():
+@pytest.mark.parametrize("rows", [False, True], ids=["nheads", "batch-nheads"])
+def test_alibi_gradient_is_zero_and_output_matches(rows):
+    """alibi_slopes (nheads,) and (batch, nheads) (a row per batch entry)."""
     device = _gpu()
     with jax.default_device(device):
-        q, k, v, dout = _inputs(9, (1, 64, 4, 64), (1, 64, 4, 64))
+        q, k, v, dout = _inputs(9, (2, 64, 4, 64), (2, 64, 4, 64))
         alibi = jnp.asarray([0.1, 0.2, 0.3, 0.4], jnp.float32)
+        if rows:
+            alibi = jnp.stack([alibi, alibi[::-1] * 0.5])
 
         def ours(q, k, v, alibi):
             return cjax.flash_attention(q, k, v, causal=True, alibi_slopes=alibi)

@@ -199,7 +199,42 @@ def hook_rows(nheads, vectors=("alibi_slopes", "sinks")):
                   ValueError, name),
                  (f"{name}-other-device", new(name, shape=(nheads,), dtype=np.float32,
                                               device=1), ValueError, name, TWO_GPUS)]
+    if "alibi_slopes" in vectors:     # (nheads,) or (batch, nheads)
+        rows.append(("alibi_slopes-rank3", new("alibi_slopes", shape=(1, 1, nheads),
+                                               dtype=np.float32), ValueError, "alibi_slopes"))
     return rows
+
+
+def slope_rows(batch, nheads):
+    """Rows of (batch, nheads) ALiBi slopes for a call of ``batch`` sequences."""
+    return [("alibi_slopes-batch-rows", new("alibi_slopes", shape=(batch + 1, nheads),
+                                            dtype=np.float32), ValueError, "alibi_slopes"),
+            ("alibi_slopes-batch-strided", new("alibi_slopes", shape=(batch, nheads),
+                                               dtype=np.float32, strided=True), ValueError,
+             "alibi_slopes"),
+            ("alibi_slopes-batch-f16", new("alibi_slopes", shape=(batch, nheads), dtype=F16),
+             TypeError, "alibi_slopes")]
+
+
+def scale_rows(nheads_kv=2):
+    """Rows of k_scale / v_scale given as device arrays (cuattn.paged.scales), for a call
+    with ``nheads_kv`` KV heads (checked for 16-bit caches too)."""
+    return [("k_scale-device-f16", new("k_scale", shape=(), dtype=F16), TypeError, "k_scale"),
+            ("k_scale-device-float64", new("k_scale", shape=(nheads_kv,), dtype=np.float64),
+             TypeError, "k_scale"),
+            ("k_scale-device-length", new("k_scale", shape=(nheads_kv + 1,), dtype=np.float32),
+             ValueError, "k_scale"),
+            ("k_scale-device-rank2", new("k_scale", shape=(nheads_kv, 1), dtype=np.float32),
+             ValueError, "k_scale"),
+            ("v_scale-device-strided", new("v_scale", shape=(nheads_kv,), dtype=np.float32,
+                                           strided=True), ValueError, "v_scale"),
+            ("v_scale-device-misaligned", new("v_scale", shape=(nheads_kv,), dtype=np.float32,
+                                              offset=2), ValueError, "v_scale"),
+            ("k_scale-numpy-array", put(k_scale=np.ones(nheads_kv, np.float32)), TypeError,
+             "k_scale"),
+            ("v_scale-list", put(v_scale=[1.0] * nheads_kv), TypeError, "v_scale"),
+            ("v_scale-other-device", new("v_scale", shape=(), dtype=np.float32, device=1),
+             ValueError, "v_scale", TWO_GPUS)]
 
 
 def flashinfer_kwargs(mk):
@@ -290,7 +325,7 @@ ROWS += table(
     # wrong types
     *types("q", "k", "v"),
     # hooks: softcap >= 0, alibi_slopes / sinks float32 (nheads,)
-    *hook_rows(2),
+    *hook_rows(2), *slope_rows(1, 2),
     ("q-scalar", put(q=1.0), TypeError, "q"),
     ("q-host-dlpack", put(q=_HostDLPack()), TypeError, "q"),
     # dtypes: q float16 / bfloat16, k and v like q
@@ -361,7 +396,7 @@ ROWS += table(
     cuattn.flash_varlen_forward, varlen_kwargs,
     # wrong types
     *types("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k"),
-    *hook_rows(2),
+    *hook_rows(2), *slope_rows(2, 2),
     # q, k, v: as flash_forward, one rank less
     ("q-float32", new("q", dtype=np.float32), TypeError, "q"),
     ("v-bf16", new("v", dtype=BF16), TypeError, "v"),
@@ -634,6 +669,7 @@ ROWS += table(
     ("k_scale-str", put(k_scale="one"), TypeError, "k_scale"),
     ("v_scale-0", put(v_scale=0), ValueError, "v_scale"),
     ("v_scale-None", put(v_scale=None), TypeError, "v_scale"),
+    *scale_rows(), *slope_rows(2, 4),
     ("version-v3", put(version="v3"), ValueError, "version"),
     ("version-int", put(version=2), ValueError, "version"),
     ("version-None", put(version=None), ValueError, "version"),
@@ -658,7 +694,7 @@ ROWS += table(
     # wrong types
     *types("q", "k_cache", "v_cache", "block_tables", "seq_lens", "cu_seqlens_q"),
     *types("out", like="q", required=False),
-    *hook_rows(4),
+    *hook_rows(4), *scale_rows(), *slope_rows(2, 4),
     # q: float16 / bfloat16 (total_q, nheads, head_size), a paged head size, nheads a
     # multiple of nheads_kv, last dimension contiguous, 16-byte rows
     ("q-float32", new("q", dtype=np.float32), TypeError, "q"),
@@ -800,6 +836,7 @@ ROWS += table(
     ("k_scale-str", put(k_scale="one"), TypeError, "k_scale"),
     ("v_scale-inf", put(v_scale=INF), ValueError, "v_scale"),
     ("v_scale-None", put(v_scale=None), TypeError, "v_scale"),
+    *scale_rows(),
     ("stream-str", put(stream="default"), TypeError, "stream", DEVICE),  # after the kernel loads
     # devices
     *elsewhere("value", "k_cache", "v_cache", "slot_mapping"),
@@ -808,7 +845,7 @@ ROWS += table(
 ROWS += table(
     cuattn.flash_backward, bwd_kwargs,
     *types("dout", "q", "k", "v", "out", "lse"),
-    *hook_rows(2),
+    *hook_rows(2), *slope_rows(1, 2),
     # q, k, v: the forward's checks
     ("q-float32", new("q", "k", "v", dtype=np.float32), TypeError, "q"),
     ("k-bf16", new("k", dtype=BF16), TypeError, "k"),
@@ -855,7 +892,7 @@ ROWS += table(
 ROWS += table(
     cuattn.flash_varlen_backward, bwd_varlen_kwargs,
     *types("dout", "q", "k", "v", "out", "lse", "cu_seqlens_q", "cu_seqlens_k"),
-    *hook_rows(2),
+    *hook_rows(2), *slope_rows(2, 2),
     ("q-rank4", new("q", shape=(1, 16, 2, 64)), ValueError, "q"),
     ("dout-shape", new("dout", shape=(15, 2, 64)), ValueError, "dout"),
     ("out-bf16", new("out", dtype=BF16), TypeError, "out"),
@@ -993,7 +1030,7 @@ ROWS += table(
     *types("q", "k_cache", "v_cache", "cache_seqlens"),
     *types("k", "v", "cache_batch_idx", required=False),
     *types("out", like="q", required=False),
-    *hook_rows(4),
+    *hook_rows(4), *slope_rows(2, 4),
     # q: (batch, seqlen_q, nheads, head_size), float16 / bfloat16, rows that pack
     ("q-float32", new("q", dtype=np.float32), TypeError, "q"),
     ("q-rank3", new("q", shape=(6, 4, 64)), ValueError, "q"),

@@ -178,13 +178,14 @@ def run_case(rng, *, b=2, sq=97, sk=131, h=4, hkv=2, d=64, dtype=BF16, causal=Fa
              window=(-1, -1), softcap=0.0, alibi=False, sinks=False, scale=None,
              deterministic=False, q_scale=1.0):
     """Forward then backward through cuattn on random inputs, every gradient checked against
-    the float64 reference per sequence (outputs preallocated and NaN-poisoned)."""
+    the float64 reference per sequence (outputs preallocated and NaN-poisoned). alibi:
+    True for (h,) slopes, "batch" for (b, h)."""
     import cupy
     q = _randn(rng, (b, sq, h, d), dtype, q_scale)
     k = _randn(rng, (b, sk, hkv, d), dtype)
     v = _randn(rng, (b, sk, hkv, d), dtype)
     dout = _randn(rng, (b, sq, h, d), dtype)
-    slopes = cupy.asarray(rng.uniform(0.05, 0.5, h).astype(np.float32)) if alibi else None
+    slopes = _slopes(rng, alibi, b, h)
     sink = cupy.asarray(rng.standard_normal(h).astype(np.float32)) if sinks else None
     kw = dict(causal=causal, window_size=window, softcap=softcap, alibi_slopes=slopes,
               sinks=sink, softmax_scale=scale)
@@ -195,12 +196,12 @@ def run_case(rng, *, b=2, sq=97, sk=131, h=4, hkv=2, d=64, dtype=BF16, causal=Fa
     assert res[0] is dq and res[1] is dk and res[2] is dv
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     ref_kw = dict(causal=causal, window=window, softcap=softcap,
-                  alibi=None if slopes is None else slopes.get(),
                   sinks=None if sink is None else sink.get())
     host = [x.get() for x in (q, k, v, dout)]
     dsinks_ref = np.zeros(h)
     for bi in range(b):
         args = [x[bi] for x in host]
+        ref_kw["alibi"] = _slopes_of(slopes, bi)
         want = attention_backward_reference(*args, scale, **ref_kw)
         lowp = attention_backward_reference(*args, scale, lowp=dtype, **ref_kw)
         for name, got, w, lp in zip(("dq", "dk", "dv"), (dq[bi], dk[bi], dv[bi]), want, lowp):
@@ -281,6 +282,24 @@ def test_bwd_strided_inputs(rng):
         assert bool(cupy.allclose(a.astype(np.float32), c.astype(np.float32), atol=1e-2))
 
 
+def _slopes(rng, alibi, b: int, h: int):
+    """ALiBi slopes on the device: None (alibi False), (h,) (True) or (b, h) ("batch", a view
+    whose rows are h + 3 floats apart)."""
+    import cupy
+    if not alibi:
+        return None
+    if alibi == "batch":
+        return cupy.asarray(rng.uniform(0.05, 0.5, (b, h + 3)).astype(np.float32))[:, 1:h + 1]
+    return cupy.asarray(rng.uniform(0.05, 0.5, h).astype(np.float32))
+
+
+def _slopes_of(slopes, b: int):
+    """The host slopes sequence b sees (None: no ALiBi)."""
+    if slopes is None:
+        return None
+    return slopes.get() if slopes.ndim == 1 else slopes[b].get()
+
+
 def run_varlen_case(rng, *, lens_q, lens_k, pad=(0, 0), h=6, hkv=2, d=64, dtype=BF16,
                     causal=False, window=(-1, -1), softcap=0.0, alibi=False, sinks=False):
     """flash_varlen_forward then flash_varlen_backward on random packed sequences (pad: rows
@@ -295,7 +314,7 @@ def run_varlen_case(rng, *, lens_q, lens_k, pad=(0, 0), h=6, hkv=2, d=64, dtype=
     k = _randn(rng, (tk, hkv, d), dtype)
     v = _randn(rng, (tk, hkv, d), dtype)
     dout = _randn(rng, (tq, h, d), dtype)
-    slopes = cupy.asarray(rng.uniform(0.05, 0.5, h).astype(np.float32)) if alibi else None
+    slopes = _slopes(rng, alibi, len(lens_q), h)
     sink = cupy.asarray(rng.standard_normal(h).astype(np.float32)) if sinks else None
     kw = dict(causal=causal, window_size=window, softcap=softcap, alibi_slopes=slopes,
               sinks=sink)
@@ -307,12 +326,12 @@ def run_varlen_case(rng, *, lens_q, lens_k, pad=(0, 0), h=6, hkv=2, d=64, dtype=
     scale = 1.0 / math.sqrt(d)
     host = [x.get() for x in (q, k, v, dout)]
     rk = dict(causal=causal, window=window, softcap=softcap,
-              alibi=None if slopes is None else slopes.get(),
               sinks=None if sink is None else sink.get())
     dsinks_ref = np.zeros(h)
     for i in range(len(lens_q)):
         qs, ks = slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1])
         seq = (host[0][qs], host[1][ks], host[2][ks], host[3][qs])
+        rk["alibi"] = _slopes_of(slopes, i)
         want = attention_backward_reference(*seq, scale, **rk)
         lowp = attention_backward_reference(*seq, scale, lowp=dtype, **rk)
         for name, got, rows, w, lp in zip(("dq", "dk", "dv"), grads, (qs, ks, ks), want, lowp):
@@ -333,6 +352,16 @@ def test_bwd_varlen(rng, d):
     sequence's gradients as the reference's; rows past the last sequence's get dq = 0."""
     run_varlen_case(rng, lens_q=[37, 0, 1, 128, 70], lens_k=[50, 9, 1, 128, 0], pad=(3, 2),
                     d=d, causal=True, window=(60, 0), softcap=4.0, sinks=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128])
+def test_bwd_alibi_per_batch(rng, d):
+    """alibi_slopes (batch, nheads), as flash-attn takes them: sequence b's gradients with
+    its own row of slopes, fixed length and varlen (the slopes a view with a row stride)."""
+    run_case(rng, b=3, sq=113, sk=177, h=4, hkv=2, d=d, causal=True, alibi="batch")
+    run_varlen_case(rng, lens_q=[37, 0, 1, 90], lens_k=[50, 9, 1, 120], h=4, d=d,
+                    causal=True, softcap=3.0, alibi="batch")
 
 
 @pytest.mark.gpu

@@ -15,17 +15,19 @@ import numpy as np
 from .. import _arrays as A
 from .. import tuning
 from .._dtypes import activation_dtype
-from .._hooks import check_hooks, hook_fields
+from .._hooks import alibi_stride, check_hooks, hook_fields
 from .._launch import (NULL, Launch, Plan, execute, on_device, plan_cache, plan_for,
                        returns)
 from ..jit import get_kernel
 from ..variants import FEAT_ALIBI, FEAT_SINKS, FEAT_SOFTCAP, PAGED_PARAMS, PAGED_REDUCE_PARAMS
+from . import scales
 from .forms import form_for
 from .layout import (check_caches, check_flash_context, check_head_size, check_layout,
-                     check_scale, check_tables)
+                     check_tables)
 
 _plans = plan_cache()
-_NAMES = ("q", "k_cache", "v_cache", "block_tables", "seq_lens", "alibi_slopes", "sinks", "out")
+_NAMES = ("q", "k_cache", "v_cache", "block_tables", "seq_lens", "alibi_slopes", "sinks",
+          "k_scale", "v_scale", "out")
 _UNBOUNDED = 2**30
 _Q_DOC = "(num_seqs, nheads, head_size)"
 
@@ -39,11 +41,13 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, *, softmax_scal
     q: (num_seqs, nheads, head_size) float16 / bfloat16.
     k_cache: (num_blocks, nheads_kv, head_size // x, block_size, x), x = 16 // itemsize.
     v_cache: (num_blocks, nheads_kv, head_size, block_size). Same dtype as q, or fp8 e4m3
-        (ml_dtypes.float8_e4m3fn or uint8) dequantised as value * k_scale / v_scale (the
-        scales are ignored for 16-bit caches, as in vLLM).
+        (ml_dtypes.float8_e4m3fn or uint8) dequantised as value * k_scale / v_scale: floats,
+        or float32 device arrays of shape (), (1,) or (nheads_kv,) read at every launch
+        (cuattn.paged.scales; ignored for 16-bit caches, as in vLLM).
     block_tables: int32 (num_seqs, max_blocks_per_seq); seq_lens: int32 (num_seqs,). A
         sequence longer than max_blocks_per_seq * block_size is clamped to that.
-    alibi_slopes: float32 (nheads,) or None; bias slope * (j - seq_len + 1) on key j.
+    alibi_slopes: float32 (nheads,) or (num_seqs, nheads), or None; bias slope * (j - seq_len
+        + 1) on key j.
     softcap, sinks: cuattn._hooks. window_size = (left, right): the query (position
         seq_len - 1) sees keys j >= seq_len - 1 - left (-1: unbounded; right is moot).
     kv_layout: "vllm" (above) or "nhd" (K and V (num_blocks, block_size, nheads_kv,
@@ -56,11 +60,12 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, *, softmax_scal
     Returns out (like q), or (out, lse) with lse float32 (nheads, num_seqs), natural log,
     -inf for an empty sequence: the layout cuattn.merge_attn_states takes.
     """
+    (k_array, k_scale), (v_array, v_scale) = scales.split(k_scale), scales.split(v_scale)
     options = (softmax_scale, k_scale, v_scale, softcap, window_size, kv_layout, version,
                partition_size, return_lse)
     plan, arrays, stream, ptrs = plan_for(
-        _plans, (q, k_cache, v_cache, block_tables, seq_lens, alibi_slopes, sinks, out), _NAMES,
-        options, lambda arrays: _plan(arrays, *options), stream, 5)
+        _plans, (q, k_cache, v_cache, block_tables, seq_lens, alibi_slopes, sinks, k_array,
+                 v_array, out), _NAMES, options, lambda arrays: _plan(arrays, *options), stream, 5)
     return execute(plan, arrays, stream, ptrs)
 
 
@@ -95,7 +100,7 @@ def _window_left(window_size) -> int:
 def _plan(arrays, softmax_scale, k_scale, v_scale, softcap, window_size, kv_layout, version,
           partition_size, return_lse) -> Plan:
     """Every check of paged_attention (raising before any launch) -> its Plan."""
-    q, k_cache, v_cache, block_tables, seq_lens, alibi_slopes, sinks, out = arrays
+    q, k_cache, v_cache, block_tables, seq_lens, alibi_slopes, sinks, k_array, v_array, out = arrays
     A.check_ndim(q, 3, "q", _Q_DOC)
     dtype = activation_dtype(q.dtype, "q")
     num_seqs, num_heads, head_size = q.shape
@@ -112,7 +117,8 @@ def _plan(arrays, softmax_scale, k_scale, v_scale, softcap, window_size, kv_layo
         raise ValueError(f"q: nheads {num_heads} is not a multiple of the caches' nheads_kv "
                          f"{info.num_kv_heads}")
     check_tables(block_tables, seq_lens, num_seqs)
-    features, softcap = check_hooks(softcap, alibi_slopes, sinks, num_heads, q.device.id)
+    features, softcap = check_hooks(softcap, alibi_slopes, sinks, num_heads, q.device.id,
+                                    num_seqs)
     window_left = _window_left(window_size)
     if not isinstance(version, str) or version not in ("auto", "v1", "v2"):
         raise ValueError(f"version: expected 'auto', 'v1' or 'v2', got {version!r}")
@@ -121,11 +127,8 @@ def _plan(arrays, softmax_scale, k_scale, v_scale, softcap, window_size, kv_layo
             raise ValueError(f"partition_size: expected None or one of "
                              f"{tuning.PAGED_PARTITION_SIZES}, got {partition_size!r}")
         partition_size = int(partition_size)
-    k_scale = check_scale(k_scale, "k_scale")
-    v_scale = check_scale(v_scale, "v_scale")
-    if info.cache != "e4m3":
-        k_scale = v_scale = 1.0
-    softmax_scale = A.check_softmax_scale(softmax_scale, head_size, k_scale)
+    k_scale, v_scale = check_scales(k_array, k_scale, v_array, v_scale, info, q.device.id)
+    softmax_scale = A.check_softmax_scale(softmax_scale, head_size, k_scale.factor)
     device_id = q.device.id
     A.check_same_device({"k_cache": k_cache, "v_cache": v_cache, "block_tables": block_tables,
                          "seq_lens": seq_lens}, device_id)
@@ -138,13 +141,15 @@ def _plan(arrays, softmax_scale, k_scale, v_scale, softcap, window_size, kv_layo
     if out is not None:             # (the decode kernels' element stores need no alignment)
         A.check_output(out, q.shape, q.dtype, "out", _Q_DOC, device_id,
                        align=16 if flash_form else 0)
+    out_arg = len(arrays) - 1
     if flash_form:
         from .prefill import flash_form_plan     # (prefill imports this module)
         return flash_form_plan(
             q, k_cache, v_cache, block_tables, info, kv_layout, dtype=dtype, features=features,
             softcap=softcap, softmax_scale=softmax_scale, left=A.check_window(window_size)[0],
             right=0, num_splits=1 if version == "v1" else 0, k_scale=k_scale, v_scale=v_scale,
-            out=out, return_lse=bool(return_lse), num_args=len(arrays), decode=True)
+            out=out, return_lse=bool(return_lse), num_args=len(arrays), decode=True,
+            alibi_stride=alibi_stride(alibi_slopes))
 
     gqa = num_heads // info.num_kv_heads
     group = tuning.paged_group(gqa)
@@ -156,10 +161,10 @@ def _plan(arrays, softmax_scale, k_scale, v_scale, softcap, window_size, kv_layo
     return_lse = bool(return_lse)
     lse_shape = (num_heads, num_seqs)
     slots, outputs, returned_slots, result = returns(
-        len(arrays), [(7 if out is not None else None, q.shape, q.dtype)] +
+        len(arrays), [(out_arg if out is not None else None, q.shape, q.dtype)] +
         ([(None, lse_shape, np.float32)] if return_lse else []))
     out_slot, lse_slot = (returned_slots + (NULL,))[:2]
-    align = ((1, 16), (2, info.v_align), (3, 4), (4, 4), (5, 4), (6, 4))
+    align = ((1, 16), (2, info.v_align), (3, 4), (4, 4), (5, 4), (6, 4), (7, 4), (8, 4))
     common = dict(device_id=device_id, align=align, outputs=outputs, result=result)
 
     form = form_for(info.cache, head_size, group, nhd=hooks["nhd"])
@@ -178,12 +183,14 @@ def _plan(arrays, softmax_scale, k_scale, v_scale, softcap, window_size, kv_layo
         fields = dict(
             q_stride_seq=qs[0], q_stride_head=qs[1], **info.strides(k_cache, v_cache),
             bt_stride_seq=block_tables.strides[0] // 4,
-            scale_log2=softmax_scale * k_scale * A.LOG2E, v_scale=v_scale,
+            scale_log2=softmax_scale * k_scale.factor * A.LOG2E, v_scale=v_scale.factor,
+            **scales.fields(k_scale, v_scale), alibi_stride_seq=alibi_stride(alibi_slopes),
             **hook_fields(softcap, 1 / A.LOG2E), window_left=window_left, window_right=0,
             num_seqs=num_seqs, num_heads=num_heads, gqa_ratio=gqa, max_blocks_per_seq=max_blocks,
             out_stride_seq=o_seq, out_stride_head=o_head, lse_stride_head=l_head,
             lse_stride_seq=l_seq)
-        inputs = tuple(slots.arg(i) for i in range(7)) + (NULL,)
+        inputs = tuple(slots.arg(i) for i in range(7)) + (NULL,) + \
+            scale_slots(slots, 7, k_scale, v_scale)
         key_for = functools.partial(form.variant, dtype.short, info.cache, head_size,
                                     info.block_size, group, alibi=alibi, **hooks)
         return Plan(**common, **decode_launches(
@@ -191,6 +198,21 @@ def _plan(arrays, softmax_scale, k_scale, v_scale, softcap, window_size, kv_layo
             rows=num_seqs, max_context=max_context, sinks=hooks["sinks"],
             slots=(out_slot, lse_slot, slots.scratch(0), slots.scratch(1)) + inputs,
             fields=fields, device_id=device_id))
+
+
+def check_scales(k_array, k_value, v_array, v_value, info, device_id: int) -> tuple:
+    """(k_scale, v_scale) as cuattn.paged.scales.Scale: checked, and NONE for 16-bit caches
+    (whose scales are ignored, as in vLLM)."""
+    k = scales.check(k_array, k_value, "k_scale", info.num_kv_heads, device_id)
+    v = scales.check(v_array, v_value, "v_scale", info.num_kv_heads, device_id)
+    return (k, v) if info.cache == "e4m3" else (scales.NONE, scales.NONE)
+
+
+def scale_slots(slots, first: int, k_scale, v_scale) -> tuple:
+    """The pointer slots of k_scales / v_scales: arguments first and first + 1 when their
+    arrays hold the scales, else null."""
+    return (slots.arg(first) if k_scale.on_device else NULL,
+            slots.arg(first + 1) if v_scale.on_device else NULL)
 
 
 def decode_launches(form, key_for, version: str, partition_size: int, v1, *, grid: tuple,
@@ -203,7 +225,7 @@ def decode_launches(form, key_for, version: str, partition_size: int, v1, *, gri
     memory, logits_stride) when version is "v1". grid: (head groups, sequences); rows: the
     query rows (sequences, or total_q for multi-token decode). slots: the pointer slots of
     out, lse, tmp_out, tmp_lse, q, k_cache, v_cache, block_tables, seq_lens, alibi_slopes,
-    sinks, cu_seqlens_q. fields: every other PagedParams field but max_parts and
+    sinks, cu_seqlens_q, k_scales, v_scales. fields: every other PagedParams field but max_parts and
     logits_stride (the out / lse strides those of the final output).
     """
     out, lse, tmp_out, tmp_lse, *inputs = slots

@@ -15,7 +15,6 @@ of 16); paged_attention (decode) the ones its kernels are compiled for (HEAD_SIZ
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -65,16 +64,6 @@ def cache_dtype(x, name: str, q_dtype) -> str:
         return q_dtype.short
     raise TypeError(f"{name}: dtype {x.dtype} is not supported; expected the query's dtype "
                     f"({q_dtype.numpy}), ml_dtypes.float8_e4m3fn or uint8 (fp8 e4m3)")
-
-
-def check_scale(value, name: str) -> float:
-    try:
-        f = float(value)
-    except (TypeError, ValueError):
-        raise TypeError(f"{name}: expected a Python float, got {type(value).__name__}") from None
-    if not (math.isfinite(f) and f > 0):
-        raise ValueError(f"{name}: expected a positive finite float, got {value!r}")
-    return f
 
 
 def check_layout(kv_layout) -> str:

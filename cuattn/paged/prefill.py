@@ -22,20 +22,21 @@ import numpy as np
 from .. import _arrays as A
 from .. import _tma, tuning
 from .._dtypes import activation_dtype
-from .._hooks import check_hooks, hook_fields
+from .._hooks import alibi_stride, check_hooks, hook_fields
 from .._launch import NULL, Plan, execute, on_device, plan_cache, plan_for, returns
 from ..flash import _MAX_GRID_YZ, Call, _check_cu_seqlens, _check_options
 from ..flash import _plan as flash_plan
 from ..jit import device_info
 from ..variants import FEAT_ALIBI, FEAT_SINKS, FEAT_SOFTCAP, KV_PAGED_NHD, KV_PAGED_VLLM
-from .attention import decode_launches, window_bound
+from . import scales
+from .attention import check_scales, decode_launches, scale_slots, window_bound
 from .forms import FORMS
 from .layout import (PREFILL_HEAD_SIZES, check_caches, check_flash_context, check_head_size,
-                     check_layout, check_scale, check_tables)
+                     check_layout, check_tables)
 
 _plans = plan_cache()
 _NAMES = ("q", "k_cache", "v_cache", "block_tables", "seq_lens", "cu_seqlens_q", "alibi_slopes",
-          "sinks", "out")
+          "sinks", "k_scale", "v_scale", "out")
 _Q_DOC = "(total_q, nheads, head_size)"
 _MAX_SEQLEN = 2**29
 
@@ -52,6 +53,8 @@ def paged_prefill(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, max
     k_cache, v_cache: the paged cache in ``kv_layout`` ("vllm" or "nhd", cuattn.paged.layout),
         the query's dtype or fp8 e4m3 (ml_dtypes.float8_e4m3fn or uint8, dequantised as value
         * k_scale / v_scale), the new tokens already written (reshape_and_cache).
+    k_scale / v_scale: floats, or float32 device arrays of shape (), (1,) or (nheads_kv,)
+        read at every launch (cuattn.paged.scales); ignored for 16-bit caches, as in vLLM.
     block_tables: int32 (num_seqs, max_blocks_per_seq); seq_lens: int32 (num_seqs,), each
         sequence's whole length, new tokens included (clamped to the table's capacity).
         Query i of sequence s sits at position seq_lens[s] - q_len[s] + i: causal is aligned
@@ -60,23 +63,26 @@ def paged_prefill(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, max
         key under causal, zeros and lse -inf, as in flash-attn).
     head_size: any multiple of 8 from 8 to 256 (layout.PREFILL_HEAD_SIZES; fp8 caches the
         multiples of 16); those outside paged_attention's run on the flash form.
-    softcap, alibi_slopes, sinks: cuattn._hooks. k_scale / v_scale: for fp8 caches; ignored
-        for 16-bit caches, as in vLLM. num_splits: split-KV (0: the tuning rule). Returns
+    softcap, alibi_slopes ((nheads,) or (num_seqs, nheads)), sinks: cuattn._hooks.
+        num_splits: split-KV (0: the tuning rule). Returns
         out (like q), or (out, lse) with lse float32 (nheads, total_q), natural log: the
         layout merge_attn_states takes.
     """
+    (k_array, k_scale), (v_array, v_scale) = scales.split(k_scale), scales.split(v_scale)
     options = (max_seqlen_q, causal, softmax_scale, window_size, softcap, k_scale, v_scale,
                kv_layout, return_lse, num_splits)
     plan, arrays, stream, ptrs = plan_for(
         _plans, (q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, alibi_slopes, sinks,
-                 out), _NAMES, options, lambda arrays: _plan(arrays, *options), stream, 6)
+                 k_array, v_array, out), _NAMES, options, lambda arrays: _plan(arrays, *options),
+        stream, 6)
     return execute(plan, arrays, stream, ptrs)
 
 
 def _plan(arrays, max_seqlen_q, causal, softmax_scale, window_size, softcap, k_scale, v_scale,
           kv_layout, return_lse, num_splits) -> Plan:
     """Every check of paged_prefill (raising before any launch) -> its Plan."""
-    q, k_cache, v_cache, block_tables, seq_lens, cu_q, alibi_slopes, sinks, out = arrays
+    q, k_cache, v_cache, block_tables, seq_lens, cu_q, alibi_slopes, sinks, k_array, v_array, \
+        out = arrays
     A.check_ndim(q, 3, "q", _Q_DOC)
     dtype = activation_dtype(q.dtype, "q")
     total_q, nheads, head_size = q.shape
@@ -87,10 +93,7 @@ def _plan(arrays, max_seqlen_q, causal, softmax_scale, window_size, softcap, k_s
     A.check_aligned(q, 16, "q")
     kv_layout = check_layout(kv_layout)
     info = check_caches(k_cache, v_cache, dtype, head_size, kv_layout, PREFILL_HEAD_SIZES)
-    fp8 = info.cache == "e4m3"
-    k_scale, v_scale = check_scale(k_scale, "k_scale"), check_scale(v_scale, "v_scale")
-    if not fp8:
-        k_scale = v_scale = 1.0     # ignored for 16-bit caches, as in vLLM
+    k_scale, v_scale = check_scales(k_array, k_scale, v_array, v_scale, info, q.device.id)
     if info.num_kv_heads == 0 or nheads % info.num_kv_heads:
         raise ValueError(f"q: nheads {nheads} is not a multiple of the caches' nheads_kv "
                          f"{info.num_kv_heads}")
@@ -108,7 +111,7 @@ def _plan(arrays, max_seqlen_q, causal, softmax_scale, window_size, softcap, k_s
     device_id = q.device.id
     A.check_same_device({"k_cache": k_cache, "v_cache": v_cache, "block_tables": block_tables,
                          "seq_lens": seq_lens, "cu_seqlens_q": cu_q}, device_id)
-    features, softcap = check_hooks(softcap, alibi_slopes, sinks, nheads, device_id)
+    features, softcap = check_hooks(softcap, alibi_slopes, sinks, nheads, device_id, num_seqs)
     if out is not None:
         A.check_output(out, q.shape, q.dtype, "out", _Q_DOC, device_id, align=16)
     if tuning.paged_prefill_form(info.cache, head_size, max_seqlen_q, total_q) == "decode":
@@ -116,28 +119,32 @@ def _plan(arrays, max_seqlen_q, causal, softmax_scale, window_size, softcap, k_s
                             softcap, softmax_scale, left, right, num_splits,
                             cache_strides=info.strides(k_cache, v_cache),
                             lse_shape=(nheads, total_q) if return_lse else None, out=out,
-                            num_args=len(arrays), kv_layout=kv_layout)
+                            num_args=len(arrays), kv_layout=kv_layout,
+                            alibi_stride_seq=alibi_stride(alibi_slopes))
 
     return flash_form_plan(q, k_cache, v_cache, block_tables, info, kv_layout, dtype=dtype,
                            features=features, softcap=softcap, softmax_scale=softmax_scale,
                            left=left, right=right, num_splits=num_splits, k_scale=k_scale,
                            v_scale=v_scale, out=out, return_lse=return_lse,
+                           alibi_stride=alibi_stride(alibi_slopes),
                            num_args=len(arrays), max_seqlen_q=max_seqlen_q, causal=causal)
 
 
 def flash_form_plan(q, k_cache, v_cache, block_tables, info, kv_layout, *, dtype, features,
                     softcap, softmax_scale, left, right, num_splits, k_scale, v_scale, out,
                     return_lse, num_args, max_seqlen_q=1, causal=True, decode=False,
-                    capacity=None, new_keys=0, hopper_ok=True) -> Plan:
+                    capacity=None, new_keys=0, hopper_ok=True, alibi_stride=0) -> Plan:
     """The flash form of a checked call: flash's _plan over a paged Call. paged_prefill's
     (arguments q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, alibi_slopes, sinks,
-    out): the packed rows of cu_seqlens_q, max_seqlen_q the longest. decode (paged_attention's
-    NHD calls the tensor-core form cannot take; arguments q .. seq_lens, alibi_slopes, sinks,
-    out): one query per sequence, q (num_seqs, nheads, head_size) read as num_seqs batches of
-    one row, no cu_seqlens_q, on the mma.sync kernel (the Hopper kernel's paged producer
+    k_scale, v_scale, out): the packed rows of cu_seqlens_q, max_seqlen_q the longest. decode
+    (paged_attention's NHD calls the tensor-core form cannot take; arguments q .. seq_lens,
+    alibi_slopes, sinks, k_scale, v_scale, out): one query per sequence, q (num_seqs, nheads,
+    head_size) read as num_seqs batches of one row, no cu_seqlens_q, on the mma.sync kernel (the Hopper kernel's paged producer
     takes packed rows). capacity: the most keys a sequence has (None: its table's); new_keys:
     keys each sequence has past its seq_lens entry (FlashFwdParams.new_keys); hopper_ok:
-    False keeps the call on the mma.sync kernel."""
+    False keeps the call on the mma.sync kernel. k_scale / v_scale: scales.Scale (NONE for
+    16-bit caches); alibi_slopes (num_seqs, nheads) are read with the row stride
+    alibi_stride."""
     total_q, nheads, _ = q.shape
     num_seqs = block_tables.shape[0]
     if capacity is None:
@@ -149,7 +156,7 @@ def flash_form_plan(q, k_cache, v_cache, block_tables, info, kv_layout, *, dtype
     # kernel multiplies the output by v_scale. (Widened times the scales, every element
     # rounded to 16 bits first: lse errors up to ~1e-2, found by the fuzz's NHD fp8 cases.)
     if fp8:
-        softmax_scale *= k_scale
+        softmax_scale *= k_scale.factor
     os_ = A.element_strides_or_contiguous(out, q.shape)
     qs = A.element_strides(q)
     lse_shape = (nheads, total_q)
@@ -163,6 +170,9 @@ def flash_form_plan(q, k_cache, v_cache, block_tables, info, kv_layout, *, dtype
                     lse_stride_batch=0, lse_stride_row=ls[1], seqlen_q=max(total_q, 1))
         args = dict(q=0, k=1, v=2, block_tables=3, seqused_k=4, cu_seqlens_q=5, alibi_slopes=6,
                     sinks=7)
+    for i, (name, scale) in enumerate((("k_scales", k_scale), ("v_scales", v_scale))):
+        if scale.on_device:       # the arguments after sinks
+            args[name] = args["sinks"] + 1 + i
     # The caches' strides (layout.CacheInfo.strides) under FlashFwdParams' names: a token's
     # slot is its K / V "row", a 16-byte vector of K its "chunk".
     s = info.strides(k_cache, v_cache)
@@ -176,7 +186,8 @@ def flash_form_plan(q, k_cache, v_cache, block_tables, info, kv_layout, *, dtype
         **rows, q_stride_head=qs[1], k_stride_batch=0, v_stride_batch=0, o_stride_head=os_[1],
         lse_stride_head=ls[0], bt_stride_seq=block_tables.strides[0] // 4,
         block_shift=info.block_size.bit_length() - 1, max_blocks_per_seq=max_blocks,
-        seqlen_k=capacity, new_keys=new_keys, v_scale=v_scale, **cache)
+        seqlen_k=capacity, new_keys=new_keys, v_scale=v_scale.factor,
+        **scales.fields(k_scale, v_scale), alibi_stride_batch=alibi_stride, **cache)
     group = nheads // info.num_kv_heads
     device_id = q.device.id
     arch = device_info(device_id).arch
@@ -204,7 +215,7 @@ def flash_form_plan(q, k_cache, v_cache, block_tables, info, kv_layout, *, dtype
 
 def _decode_plan(q, info, block_tables, num_seqs, max_seqlen_q, dtype, features, softcap,
                  softmax_scale, left, right, num_splits, *, cache_strides, lse_shape, out,
-                 num_args, kv_layout) -> Plan:
+                 num_args, kv_layout, alibi_stride_seq) -> Plan:
     """The few-token form (tuning.paged_prefill_form): multi-token decode on the tensor-core
     paged form. num_splits: 0 the decode rule (v1, or v2 partitions that fill the SMs), 1 v1,
     n > 1 v2 with the shortest partition that gives at most n per sequence (1024 tokens
@@ -217,11 +228,11 @@ def _decode_plan(q, info, block_tables, num_seqs, max_seqlen_q, dtype, features,
     tokens, group = tuning.paged_multi_token(head_size, gqa, max_seqlen_q)
     max_context = block_tables.shape[1] * info.block_size
     slots, outputs, returned_slots, result = returns(
-        num_args, [(8 if out is not None else None, q.shape, q.dtype)] +
+        num_args, [(num_args - 1 if out is not None else None, q.shape, q.dtype)] +
         ([(None, lse_shape, np.float32)] if lse_shape is not None else []))
     out_slot, lse_slot = (returned_slots + (NULL,))[:2]
     align = ((0, 16), (1, 16), (2, 16), (3, 4), (4, 4), (5, 4), (6, 4), (7, 4)) + \
-        ((8, 16),) * (out is not None)
+        ((num_args - 1, 16),) * (out is not None)
     common = dict(device_id=device_id, align=align, outputs=outputs, result=result)
     if total_q == 0 or num_seqs == 0:
         return Plan(**common)
@@ -247,12 +258,13 @@ def _decode_plan(q, info, block_tables, num_seqs, max_seqlen_q, dtype, features,
     fields = dict(
         q_stride_seq=qs[0], q_stride_head=qs[1], **cache_strides,
         bt_stride_seq=block_tables.strides[0] // 4, scale_log2=softmax_scale * A.LOG2E,
-        v_scale=1.0, **hook_fields(softcap, 1 / A.LOG2E),
+        v_scale=1.0, **scales.fields(scales.NONE, scales.NONE), alibi_stride_seq=alibi_stride_seq,
+        **hook_fields(softcap, 1 / A.LOG2E),
         window_left=window_bound(left), window_right=window_bound(right),
         num_seqs=num_seqs, num_heads=nheads, gqa_ratio=gqa,
         max_blocks_per_seq=block_tables.shape[1], out_stride_seq=o_row, out_stride_head=o_head,
         lse_stride_head=l_head, lse_stride_seq=l_row)
-    inputs = tuple(slots.arg(i) for i in (0, 1, 2, 3, 4, 6, 7, 5))
+    inputs = tuple(slots.arg(i) for i in (0, 1, 2, 3, 4, 6, 7, 5)) + (NULL, NULL)  # (16-bit caches)
     with on_device(device_id):
         v1 = form.v1_launch(key_for(0), max_context, device_id) if version == "v1" else None
         return Plan(**common, **decode_launches(

@@ -42,6 +42,13 @@ __device__ __forceinline__ Vec16 pack16(const float (&in)[ElemsPer16B<T>::value]
   return v;
 }
 
+// The scale of KV head kv_head from scales in device memory: a float per KV head (stride 1)
+// or one for all (stride 0). Null: 1 (a scale given as a Python float is among the host's
+// constants instead).
+__device__ __forceinline__ float kv_head_scale(const void* scales, int stride, int kv_head) {
+  return scales != nullptr ? static_cast<const float*>(scales)[kv_head * stride] : 1.f;
+}
+
 __device__ __forceinline__ Vec16 load16(const void* p) {
   return *reinterpret_cast<const Vec16*>(p);
 }

@@ -28,7 +28,7 @@ struct FlashBwdParams {
   void* lse2;                 // [num_heads, total_q] float (workspace): lse in log2 units
   const void* cu_seqlens_q;   // [batch + 1] int32 prefix sums (null = fixed length)
   const void* cu_seqlens_k;   // [batch + 1] int32 prefix sums (null = fixed length)
-  const void* alibi_slopes;   // [num_heads] float (ALiBi only)
+  const void* alibi_slopes;   // [num_heads] or [batch, num_heads] float (ALiBi only)
   const void* sinks;          // [num_heads] float (sinks only)
   void* dsinks;               // [num_heads] float (sinks only)
   long long q_stride_batch, q_stride_row, q_stride_head;
@@ -56,6 +56,7 @@ struct FlashBwdParams {
   float softmax_scale_inv;    // 1 / softmax_scale: ALiBi slopes in raw-score units
   float softcap_in;           // softcap: softmax_scale / cap (common/logits.cuh)
   float softcap_out;          // softcap: cap / softmax_scale
+  int alibi_stride_batch;     // 0: alibi_slopes [num_heads]; else its row stride
 };
 
 }  // namespace cuattn

@@ -32,8 +32,10 @@ struct FlashFwdParams {
   const void* cu_seqlens_k;   // [batch + 1] int32 prefix sums (null = fixed length or paged)
   const void* block_tables;   // [batch, max_blocks_per_seq] int32 (paged only)
   const void* seqused_k;      // [batch] int32: keys of each sequence (paged only)
-  const void* alibi_slopes;   // [num_heads] float (ALiBi only)
+  const void* alibi_slopes;   // [num_heads] or [batch, num_heads] float (ALiBi only)
   const void* sinks;          // [num_heads] float: a logit per head in the denominator (sinks only)
+  const void* k_scales;       // [num_heads_kv] or [1] float: fp8 caches' scales in device memory
+  const void* v_scales;       // (null: 1, or the host's v_scale and softmax scale hold them)
   long long q_stride_batch, q_stride_row, q_stride_head;
   long long k_stride_batch, k_stride_row, k_stride_head;
   long long v_stride_batch, v_stride_row, v_stride_head;
@@ -64,6 +66,9 @@ struct FlashFwdParams {
   float v_scale;              // fp8 caches: V is e4m3 values times this (else 1); the host
                               // folds K's scale into the softmax scale
   int m_blocks;               // row tiles per (head, batch x split): ceil(rows / BLOCK_M) (the Hopper kernel's schedule)
+  int k_scales_stride;        // 1: a scale per KV head; 0: one scale
+  int v_scales_stride;
+  int alibi_stride_batch;     // 0: alibi_slopes [num_heads]; else its row stride
 };
 
 }  // namespace cuattn

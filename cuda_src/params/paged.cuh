@@ -25,9 +25,11 @@ struct PagedParams {
   const void* v_cache;       // [num_blocks, num_kv_heads, HEAD_SIZE, BLOCK_SIZE]         CACHE_T
   const void* block_tables;  // [num_seqs, max_blocks_per_seq]                   int32
   const void* seq_lens;      // [num_seqs]                                       int32
-  const void* alibi_slopes;  // [num_heads]                                      float (ALIBI only)
+  const void* alibi_slopes;  // [num_heads] or [num_seqs, num_heads]             float (ALIBI only)
   const void* sinks;         // [num_heads]                                      float (SINKS, v1 only)
   const void* cu_seqlens_q;  // [num_seqs + 1]                                   int32 (multi-token only)
+  const void* k_scales;      // [num_kv_heads] or [1]                            float (fp8, may be null)
+  const void* v_scales;      // [num_kv_heads] or [1]                            float (fp8, may be null)
   long long q_stride_seq, q_stride_head;
   long long out_stride_seq, out_stride_head;
   long long lse_stride_head, lse_stride_seq;
@@ -37,6 +39,8 @@ struct PagedParams {
   long long bt_stride_seq;
   float scale_log2;          // softmax_scale * k_scale * log2(e), folded into q
   float v_scale;             // multiplies the output (1 for 16-bit caches)
+                             // (k_scales / v_scales non-null: the scales in device memory,
+                             // common/types.cuh kv_head_scale, and the two above exclude them)
   float softcap_in;          // SOFTCAP: 1 / (cap * log2 e) (common/logits.cuh, log2 units)
   float softcap_out;         // SOFTCAP: cap * log2 e
   int num_seqs;
@@ -47,6 +51,9 @@ struct PagedParams {
   int logits_stride;         // CUDA-core form: floats per head in the dynamic shared logits buffer
   int window_left;           // keys j >= pos - window_left (a huge value = unbounded); the query's
   int window_right;          // pos = seq_len - 1 (decode; right is 0), seq_len - q_len + i (multi-token)
+  int k_scales_stride;       // 1: a scale per KV head; 0: one scale
+  int v_scales_stride;
+  int alibi_stride_seq;      // 0: alibi_slopes [num_heads]; else its row stride
 };
 
 // Rows: the sequences, or the query rows of cu_seqlens_q (multi-token decode; non-null).
