@@ -29,31 +29,22 @@ def check_softcap(value) -> float:
     return value
 
 
-def check_head_vector(x, nheads: int, name: str, device_id: int) -> None:
-    """alibi_slopes / sinks: float32 (nheads,), 4-byte aligned, on the call's device."""
-    A.check_ndim(x, 1, name, "(nheads,)")
+def check_head_vector(x, nheads: int, name: str, device_id: int,
+                      batch: int | None = None) -> None:
+    """sinks / alibi_slopes: float32 (nheads,) (or, batch given, also (batch, nheads): rows
+    of any non-negative stride), the last dimension contiguous, 4-byte aligned, on the
+    call's device."""
+    doc = "(nheads,)" if batch is None else "(nheads,) or (batch, nheads)"
+    if x.ndim != 1 and (batch is None or x.ndim != 2):
+        raise ValueError(f"{name}: expected shape {doc}, got {tuple(x.shape)}")
     A.check_dtype(x, np.float32, name)
-    A.check_shape(x, (nheads,), name, "(nheads,)")
+    A.check_shape(x, (nheads,) if x.ndim == 1 else (batch, nheads), name, doc)
     A.check_last_dim_contiguous(x, name)
     A.check_aligned(x, 4, name)
-    A.check_same_device({name: x}, device_id)
-
-
-def check_slopes(x, batch: int, nheads: int, device_id: int) -> None:
-    """alibi_slopes: float32 (nheads,) or (batch, nheads), rows contiguous, on the device."""
-    if x.ndim not in (1, 2):
-        raise ValueError(f"alibi_slopes: expected shape (nheads,) or (batch, nheads), got "
-                         f"{tuple(x.shape)}")
-    if x.ndim == 1:
-        return check_head_vector(x, nheads, "alibi_slopes", device_id)
-    A.check_dtype(x, np.float32, "alibi_slopes")
-    A.check_shape(x, (batch, nheads), "alibi_slopes", "(nheads,) or (batch, nheads)")
-    A.check_last_dim_contiguous(x, "alibi_slopes")
-    A.check_aligned(x, 4, "alibi_slopes")
-    if x.strides[0] % 4 or not 0 <= x.strides[0] // 4 < 2**31:
-        raise ValueError(f"alibi_slopes: row stride {x.strides[0]} bytes is not a non-negative "
+    if x.ndim == 2 and (x.strides[0] % 4 or not 0 <= x.strides[0] // 4 < 2**31):
+        raise ValueError(f"{name}: row stride {x.strides[0]} bytes is not a non-negative "
                          "multiple of 4 below 2**33")
-    A.check_same_device({"alibi_slopes": x}, device_id)
+    A.check_same_device({name: x}, device_id)
 
 
 def alibi_stride(alibi_slopes) -> int:
@@ -68,7 +59,7 @@ def check_hooks(softcap, alibi_slopes, sinks, nheads: int, device_id: int,
     softcap = check_softcap(softcap)
     features = FEAT_SOFTCAP if softcap > 0 else 0
     if alibi_slopes is not None:
-        check_slopes(alibi_slopes, batch, nheads, device_id)
+        check_head_vector(alibi_slopes, nheads, "alibi_slopes", device_id, batch)
         features |= FEAT_ALIBI
     if sinks is not None:
         check_head_vector(sinks, nheads, "sinks", device_id)

@@ -127,7 +127,7 @@ def _plan(arrays, softmax_scale, k_scale, v_scale, softcap, window_size, kv_layo
             raise ValueError(f"partition_size: expected None or one of "
                              f"{tuning.PAGED_PARTITION_SIZES}, got {partition_size!r}")
         partition_size = int(partition_size)
-    k_scale, v_scale = check_scales(k_array, k_scale, v_array, v_scale, info, q.device.id)
+    k_scale, v_scale = scales.check_pair(k_array, k_scale, v_array, v_scale, info, q.device.id)
     softmax_scale = A.check_softmax_scale(softmax_scale, head_size, k_scale.factor)
     device_id = q.device.id
     A.check_same_device({"k_cache": k_cache, "v_cache": v_cache, "block_tables": block_tables,
@@ -190,7 +190,7 @@ def _plan(arrays, softmax_scale, k_scale, v_scale, softcap, window_size, kv_layo
             out_stride_seq=o_seq, out_stride_head=o_head, lse_stride_head=l_head,
             lse_stride_seq=l_seq)
         inputs = tuple(slots.arg(i) for i in range(7)) + (NULL,) + \
-            scale_slots(slots, 7, k_scale, v_scale)
+            scales.slots(slots, 7, k_scale, v_scale)
         key_for = functools.partial(form.variant, dtype.short, info.cache, head_size,
                                     info.block_size, group, alibi=alibi, **hooks)
         return Plan(**common, **decode_launches(
@@ -198,21 +198,6 @@ def _plan(arrays, softmax_scale, k_scale, v_scale, softcap, window_size, kv_layo
             rows=num_seqs, max_context=max_context, sinks=hooks["sinks"],
             slots=(out_slot, lse_slot, slots.scratch(0), slots.scratch(1)) + inputs,
             fields=fields, device_id=device_id))
-
-
-def check_scales(k_array, k_value, v_array, v_value, info, device_id: int) -> tuple:
-    """(k_scale, v_scale) as cuattn.paged.scales.Scale: checked, and NONE for 16-bit caches
-    (whose scales are ignored, as in vLLM)."""
-    k = scales.check(k_array, k_value, "k_scale", info.num_kv_heads, device_id)
-    v = scales.check(v_array, v_value, "v_scale", info.num_kv_heads, device_id)
-    return (k, v) if info.cache == "e4m3" else (scales.NONE, scales.NONE)
-
-
-def scale_slots(slots, first: int, k_scale, v_scale) -> tuple:
-    """The pointer slots of k_scales / v_scales: arguments first and first + 1 when their
-    arrays hold the scales, else null."""
-    return (slots.arg(first) if k_scale.on_device else NULL,
-            slots.arg(first + 1) if v_scale.on_device else NULL)
 
 
 def decode_launches(form, key_for, version: str, partition_size: int, v1, *, grid: tuple,
@@ -225,8 +210,8 @@ def decode_launches(form, key_for, version: str, partition_size: int, v1, *, gri
     memory, logits_stride) when version is "v1". grid: (head groups, sequences); rows: the
     query rows (sequences, or total_q for multi-token decode). slots: the pointer slots of
     out, lse, tmp_out, tmp_lse, q, k_cache, v_cache, block_tables, seq_lens, alibi_slopes,
-    sinks, cu_seqlens_q, k_scales, v_scales. fields: every other PagedParams field but max_parts and
-    logits_stride (the out / lse strides those of the final output).
+    sinks, cu_seqlens_q, k_scales, v_scales. fields: every other PagedParams field but
+    max_parts and logits_stride (the out / lse strides those of the final output).
     """
     out, lse, tmp_out, tmp_lse, *inputs = slots
     inputs = tuple(inputs)

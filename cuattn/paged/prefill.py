@@ -29,7 +29,7 @@ from ..flash import _plan as flash_plan
 from ..jit import device_info
 from ..variants import FEAT_ALIBI, FEAT_SINKS, FEAT_SOFTCAP, KV_PAGED_NHD, KV_PAGED_VLLM
 from . import scales
-from .attention import check_scales, decode_launches, scale_slots, window_bound
+from .attention import decode_launches, window_bound
 from .forms import FORMS
 from .layout import (PREFILL_HEAD_SIZES, check_caches, check_flash_context, check_head_size,
                      check_layout, check_tables)
@@ -93,7 +93,7 @@ def _plan(arrays, max_seqlen_q, causal, softmax_scale, window_size, softcap, k_s
     A.check_aligned(q, 16, "q")
     kv_layout = check_layout(kv_layout)
     info = check_caches(k_cache, v_cache, dtype, head_size, kv_layout, PREFILL_HEAD_SIZES)
-    k_scale, v_scale = check_scales(k_array, k_scale, v_array, v_scale, info, q.device.id)
+    k_scale, v_scale = scales.check_pair(k_array, k_scale, v_array, v_scale, info, q.device.id)
     if info.num_kv_heads == 0 or nheads % info.num_kv_heads:
         raise ValueError(f"q: nheads {nheads} is not a multiple of the caches' nheads_kv "
                          f"{info.num_kv_heads}")
@@ -139,12 +139,12 @@ def flash_form_plan(q, k_cache, v_cache, block_tables, info, kv_layout, *, dtype
     k_scale, v_scale, out): the packed rows of cu_seqlens_q, max_seqlen_q the longest. decode
     (paged_attention's NHD calls the tensor-core form cannot take; arguments q .. seq_lens,
     alibi_slopes, sinks, k_scale, v_scale, out): one query per sequence, q (num_seqs, nheads,
-    head_size) read as num_seqs batches of one row, no cu_seqlens_q, on the mma.sync kernel (the Hopper kernel's paged producer
-    takes packed rows). capacity: the most keys a sequence has (None: its table's); new_keys:
-    keys each sequence has past its seq_lens entry (FlashFwdParams.new_keys); hopper_ok:
-    False keeps the call on the mma.sync kernel. k_scale / v_scale: scales.Scale (NONE for
-    16-bit caches); alibi_slopes (num_seqs, nheads) are read with the row stride
-    alibi_stride."""
+    head_size) read as num_seqs batches of one row, no cu_seqlens_q, on the mma.sync kernel
+    (the Hopper kernel's paged producer takes packed rows). capacity: the most keys a
+    sequence has (None: its table's); new_keys: keys each sequence has past its seq_lens entry
+    (FlashFwdParams.new_keys); hopper_ok: False keeps the call on the mma.sync kernel.
+    k_scale / v_scale: scales.Scale (NONE for 16-bit caches); alibi_slopes (num_seqs, nheads)
+    are read with the row stride alibi_stride."""
     total_q, nheads, _ = q.shape
     num_seqs = block_tables.shape[0]
     if capacity is None:

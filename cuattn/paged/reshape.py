@@ -14,7 +14,6 @@ from .._launch import Launch, Plan, Slots, execute, on_device, plan_cache, plan_
 from ..jit import get_kernel
 from ..variants import RESHAPE_PARAMS
 from . import scales
-from .attention import check_scales, scale_slots
 from .layout import PREFILL_HEAD_SIZES, check_caches, check_head_size, check_layout
 
 _plans = plan_cache()
@@ -64,7 +63,7 @@ def _plan(arrays, k_scale, v_scale, kv_layout) -> Plan:
     A.check_last_dim_contiguous(slot_mapping, "slot_mapping")
     A.check_aligned(slot_mapping, slot_mapping.itemsize, "slot_mapping")
     device_id = key.device.id
-    k_scale, v_scale = check_scales(k_array, k_scale, v_array, v_scale, info, device_id)
+    k_scale, v_scale = scales.check_pair(k_array, k_scale, v_array, v_scale, info, device_id)
     A.check_same_device({"value": value, "k_cache": k_cache, "v_cache": v_cache,
                          "slot_mapping": slot_mapping}, device_id)
     align = ((0, 16), (1, 16), (2, 16), (3, info.v_align), (4, slot_mapping.itemsize), (5, 4),
@@ -83,7 +82,7 @@ def _plan(arrays, k_scale, v_scale, kv_layout) -> Plan:
         num_tokens=num_tokens, num_kv_heads=nkv, head_size=head_size,
         block_size=info.block_size)
     slots = Slots(len(arrays), 0)
+    pointers = tuple(slots.arg(i) for i in range(5)) + scales.slots(slots, 5, k_scale, v_scale)
     launch = Launch(kernel, (num_tokens,), (variant.num_threads,), 0, RESHAPE_PARAMS.dtype,
-                    tuple(slots.arg(i) for i in range(5)) + scale_slots(slots, 5, k_scale, v_scale),
-                    tail)
+                    pointers, tail)
     return Plan(**common, launches=(launch,))

@@ -19,6 +19,7 @@ import cupy
 import numpy as np
 
 from .. import _arrays as A
+from .._launch import NULL
 
 SHAPES_DOC = "(), (1,) or (nheads_kv,)"
 
@@ -38,6 +39,8 @@ def split(value) -> tuple:
     any with __cuda_array_interface__ / __dlpack__, viewed as CuPy by the op's launch path)
     is the array (None the option); anything else, a host array included, the option (None
     the array), which ``check`` takes as a number or refuses."""
+    if type(value) is float:          # (the common call: no further look)
+        return None, value
     if isinstance(value, cupy.ndarray):
         return value, None
     # (on the type: CuPy's own property would touch the device)
@@ -79,6 +82,21 @@ def check_float(value, name: str) -> float:
     return f
 
 
+def check_pair(k_array, k_value, v_array, v_value, info, device_id: int) -> tuple[Scale, Scale]:
+    """(k_scale, v_scale) of a call over caches ``info`` (layout.CacheInfo), each from
+    ``split``'s pair: checked, and NONE for 16-bit caches (ignored, as in vLLM)."""
+    k = check(k_array, k_value, "k_scale", info.num_kv_heads, device_id)
+    v = check(v_array, v_value, "v_scale", info.num_kv_heads, device_id)
+    return (k, v) if info.cache == "e4m3" else (NONE, NONE)
+
+
 def fields(k: Scale, v: Scale) -> dict:
     """The params fields of the two scales' arrays (their pointers come from the slots)."""
     return dict(k_scales_stride=k.stride, v_scales_stride=v.stride)
+
+
+def slots(call_slots, first: int, k: Scale, v: Scale) -> tuple:
+    """The pointer slots of k_scales / v_scales: the call's arguments first and first + 1
+    (cuattn._launch.Slots) when arrays hold the scales, else null."""
+    return (call_slots.arg(first) if k.on_device else NULL,
+            call_slots.arg(first + 1) if v.on_device else NULL)
