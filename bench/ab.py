@@ -2,7 +2,7 @@
 
     scripts/ab_prepare.sh OLD_COMMIT DIR        # DIR/cuattn_old/ + DIR/cuda_src/
     PYTHONPATH=. python bench/ab.py --old DIR [--suites flash decode merge verify bwd] [--quick]
-        [--settle S] [--json F]
+        [--settle S] [--flash-path wgmma|mma] [--json F]
 
 "new" is the ``cuattn`` of this checkout (the tree holding this file), "old" is
 ``DIR/cuattn_old`` (the old commit's package, renamed; it finds its own kernels in
@@ -34,7 +34,9 @@ new tokens per sequence, the prefill suite's verify rows; "hooks" (not run by de
 softcap beside the same calls without it (hook_cases); "windows" (not run by default):
 flash_forward with sliding windows beside the causal call (window_cases); "bwd" (not run
 by default): flash_backward on the backward suite's grid (bwd_cases; a tree without it is
-timed on one side only).
+timed on one side only). ``--flash-path`` runs the new tree's calls under
+``tuning.override(flash_path=...)``: an A/B of one path's kernels when the new tree's default
+path differs from the old one's.
 """
 from __future__ import annotations
 
@@ -432,6 +434,9 @@ def main(argv=None) -> int:
                         help="replay each tree's graph back to back for S seconds, untimed, "
                              "before each measurement: the clocks of a sustained load (the "
                              "suites use 0.3); default 0, the clocks after an idle spell")
+    parser.add_argument("--flash-path", choices=("wgmma", "mma"),
+                        help="the new tree's flash kernels (forward and backward), forced by "
+                             "tuning.override(flash_path=...)")
     parser.add_argument("--json", help="write the rows and the summary to this file")
     parser.add_argument("--no-precompile", action="store_true",
                         help="skip the precompile step (first calls compile on demand)")
@@ -439,6 +444,8 @@ def main(argv=None) -> int:
 
     t_start = time.perf_counter()
     trees = load_trees(args.old.resolve())
+    if args.flash_path:      # for the whole run (the process ends with it)
+        trees["new"].tuning.override(flash_path=args.flash_path).__enter__()
     seconds = {"precompile": 0.0 if args.no_precompile else precompile(trees)}
     flush = L2Flush("clean")
     _warm_gpu()

@@ -11,8 +11,9 @@ rate over that ceiling.
 
 Only the backward is timed: every library's forward runs once per row, outside the timing,
 and its outputs are what its backward reads. dout is standard normal. Columns:
-- cuattn: ``flash_backward`` on its default path, into preallocated dq, dk, dv; cuattn-mma:
-  the same with ``tuning.override(flash_path="mma")``; cuattn-det: mma path with
+- cuattn: ``flash_backward`` on its default path (the H200's: the Hopper kernel at head dims
+  64 and 128), into preallocated dq, dk, dv; cuattn-mma: the same with
+  ``tuning.override(flash_path="mma")``; cuattn-det: the default path with
   ``deterministic=True``.
 - FA2 / cuDNN: PyTorch's own backward ops of SDPA's FLASH_ATTENTION / CUDNN_ATTENTION
   backends on their forward ops' saved outputs (torch_peers.sdpa_backward_call; autograd
@@ -170,7 +171,7 @@ class _Cuattn:
 
     @staticmethod
     def mode(column: str):
-        return tuning.override(flash_path="mma") if column != "cuattn" else nullcontext()
+        return tuning.override(flash_path="mma") if column == "cuattn-mma" else nullcontext()
 
     def measure(self, column: str, method: str) -> float | None:
         """ms per call of one column by one method, or None where cuattn refuses."""

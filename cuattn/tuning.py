@@ -30,9 +30,12 @@ _OVERRIDE_KEYS = {
     "multi_token_group": "query heads per block of multi-token decode (a divisor of the GQA "
                          "ratio)",
     "prefill_form": '"decode" or "flash": paged_prefill\'s kernel, wherever that one can run',
-    "flash_path": '"wgmma" or "mma": the kernel of flash_forward / flash_varlen_forward',
+    "flash_path": '"wgmma" or "mma": the kernels of flash_forward / flash_varlen_forward and '
+                  "of their backward",
     "flash_sm90_tiles": "FlashSm90Tiles of the Hopper forward kernel",
-    "flash_bwd_tiles": "FlashBwdTiles of the backward's main kernel (cuattn.tuning_bwd)",
+    "flash_bwd_tiles": "FlashBwdTiles of the backward's mma.sync kernel (cuattn.tuning_bwd; "
+                       "implies that path)",
+    "flash_bwd_sm90_tiles": "FlashBwdSm90Tiles of the Hopper backward kernel (cuattn.tuning_bwd)",
 }
 _overrides: dict = {}
 
@@ -43,8 +46,10 @@ def override(**choices) -> Iterator[None]:
 
     Keys: flash_tiles (FlashTiles; implies the mma.sync path), prefill_tiles (FlashTiles),
     paged_form ("mma" / "simt"), paged_mma (PagedMmaTiles), multi_token_group (int),
-    prefill_form ("decode" / "flash"), flash_path ("wgmma" / "mma"), flash_sm90_tiles
-    (FlashSm90Tiles), flash_bwd_tiles (cuattn.tuning_bwd.FlashBwdTiles).
+    prefill_form ("decode" / "flash"), flash_path ("wgmma" / "mma"; forward and backward),
+    flash_sm90_tiles (FlashSm90Tiles), flash_bwd_tiles (cuattn.tuning_bwd.FlashBwdTiles;
+    implies the backward's mma.sync path), flash_bwd_sm90_tiles
+    (cuattn.tuning_bwd.FlashBwdSm90Tiles).
     The launch plans cached so far are dropped on entry and on exit.
     """
     unknown = sorted(set(choices) - set(_OVERRIDE_KEYS))
@@ -675,14 +680,16 @@ def _shipped_flash() -> list:
 
 
 def _shipped_flash_backward() -> list:
-    """flash_backward at head dims 64 and 128, causal or not, both tables' tiles, and its
-    row kernels (a training step's defaults)."""
+    """flash_backward at head dims 64 and 128, causal or not: the Hopper kernel (sm_90), the
+    mma.sync kernel of both tables' tiles (sm_80, sm_86), and its row kernels (a training
+    step's defaults)."""
     from .tuning_bwd import flash_bwd_row_variants, flash_bwd_variant
     out = []
     for dt in ("f16", "bf16"):
         for hd in (64, 128):
             out += [flash_bwd_variant(dt, hd, mask=mask, arch=arch)
-                    for arch in FLASH_TABLE_ARCHS for mask in (MASK_NONE, MASK_CAUSAL)]
+                    for arch in (SM90_ARCH, "sm_80", "sm_86")
+                    for mask in (MASK_NONE, MASK_CAUSAL)]
             out += flash_bwd_row_variants(dt, hd)
     return out
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from . import tuning
-from .tuning import compiled_head_dim
+from .tuning import compiled_head_dim, sm90_head_dim
 from .variants import (SM90_ARCH, FEAT_ALIBI, FEAT_SOFTCAP, FlashBwdDqVariant, FlashBwdDsinksVariant,
-                       FlashBwdPrepVariant, FlashBwdVariant)
+                       FlashBwdPrepVariant, FlashBwdSm90Variant, FlashBwdVariant)
 
 
 @dataclass(frozen=True)
@@ -69,14 +69,61 @@ def flash_bwd_tiles(arch: str, head_dim: int) -> FlashBwdTiles:
     return table[head_dim]
 
 
+# ---- the Hopper backward kernel (cuda_src/flash_bwd_sm90.cuh, sm_90a) ---------------------------
+# sm_90 devices run it where the forward runs its Hopper kernel (tuning.flash_path: head dims
+# above 32, compiled rounded up to a multiple of 64); override(flash_bwd_tiles=...) forces the
+# mma.sync kernel.
+@dataclass(frozen=True)
+class FlashBwdSm90Tiles:
+    block_m: int      # query rows per tile (a multiple of 64)
+    num_wg: int       # warpgroups of 64 keys: BLOCK_N = 64 x num_wg
+
+
+# First guesses (stage 1 of the kernel, bench/NOTES.md "Hopper backward"): FlashAttention-3's
+# tile shapes where 255 registers per thread hold them without a producer warpgroup (dK and
+# dV of 64 keys: HEAD_DIM / 2 accumulators each, S^T and dP^T BLOCK_M / 2 each); above head
+# dim 128 one warpgroup of 64 keys walks the query tiles twice (dV, then dK and dQ), in
+# 227 KB of shared memory.
+FLASH_BWD_SM90_TILES = {
+    64: FlashBwdSm90Tiles(128, 2),
+    128: FlashBwdSm90Tiles(64, 2),
+    192: FlashBwdSm90Tiles(64, 1),
+    256: FlashBwdSm90Tiles(64, 1),
+}
+
+
+# The compiled head dims the Hopper kernel runs by default; 192 and 256 only when forced by
+# override(flash_path="wgmma"): their two-pass forms spill 400-900 B there (stage 1, ptxas
+# sm_90a), and stay on mma.sync until they do not.
+FLASH_BWD_SM90_DEFAULT = (64, 128)
+
+
+def flash_bwd_path(arch: str, head_dim: int) -> str:
+    """"wgmma" (the Hopper kernel) or "mma" (mma.sync) for the backward of a real head dim on
+    a device of ``arch``: override(flash_path=...) forces either (override(flash_bwd_tiles=...)
+    "mma"); else the forward's path (tuning.flash_path) at FLASH_BWD_SM90_DEFAULT's head
+    dims."""
+    forced = tuning._overrides.get("flash_path")
+    if forced is None and "flash_bwd_tiles" in tuning._overrides:
+        return "mma"
+    path = tuning.flash_path(arch, head_dim)
+    if forced is None and sm90_head_dim(head_dim) not in FLASH_BWD_SM90_DEFAULT:
+        return "mma"
+    return path
+
+
 def flash_bwd_variant(dtype: str, head_dim: int, *, mask: int, arch: str,
-                      features: int = 0) -> FlashBwdVariant:
+                      features: int = 0) -> FlashBwdVariant | FlashBwdSm90Variant:
     """The backward's main kernel for a real head dim, a mask kind, an arch and the call's
     FEAT_* bits (sinks need nothing of it: their gradient is flash_bwd_dsinks_kernel's)."""
+    features &= FEAT_SOFTCAP | FEAT_ALIBI
+    if flash_bwd_path(arch, head_dim) == "wgmma":
+        hd = sm90_head_dim(head_dim)
+        t = tuning._overrides.get("flash_bwd_sm90_tiles") or FLASH_BWD_SM90_TILES[hd]
+        return FlashBwdSm90Variant(dtype, hd, t.block_m, t.num_wg, mask, features)
     hd = bwd_head_dim(head_dim)
     t = flash_bwd_tiles(arch, hd)
-    return FlashBwdVariant(dtype, hd, t.block_m, t.num_warps, t.q_chunk, mask,
-                           features & (FEAT_SOFTCAP | FEAT_ALIBI))
+    return FlashBwdVariant(dtype, hd, t.block_m, t.num_warps, t.q_chunk, mask, features)
 
 
 # The row kernels (pre-pass, dQ convert, sinks): one warp per (token, head) row.

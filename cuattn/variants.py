@@ -411,6 +411,75 @@ class FlashBwdVariant(Variant):
 
 
 @dataclass(frozen=True)
+class FlashBwdSm90Variant(Variant):
+    """The Hopper backward's main kernel (cuda_src/flash_bwd_sm90.cuh): the GEMMs on wgmma,
+    64 keys per warpgroup, compiled for sm_90a."""
+    dtype: str            # f16 / bf16
+    head_dim: int         # compiled head dim (a multiple of 64)
+    block_m: int          # query rows per tile (a multiple of 64)
+    num_wg: int           # warpgroups: BLOCK_N = 64 x num_wg keys
+    mask: int             # MASK_NONE / MASK_CAUSAL / MASK_WINDOW
+    features: int = 0     # FEAT_SOFTCAP / FEAT_ALIBI (sinks change nothing here)
+
+    op: ClassVar[str] = "flash_bwd_sm90"
+    header: ClassVar[str] = "flash_bwd_sm90.cuh"
+    kernel: ClassVar[str] = "flash_bwd_sm90_kernel"
+    traits: ClassVar[str] = "FlashBwdSm90Traits"
+    params: ClassVar[ParamsStruct] = FLASH_BWD_PARAMS
+    smem_from_traits: ClassVar[bool] = True
+    # Spill stores (bytes) its default forms may show (tests/compiled.py unclean): dK, dV,
+    # S^T and dP^T of a warpgroup's 64 keys fill 255 registers, and ptxas spills a few
+    # loop-invariant values, up to 92 B at hd 64 and 128 (bench/NOTES.md "Hopper backward").
+    spill_bound: ClassVar[int] = 160
+
+    def __post_init__(self):
+        row_tiles = self.block_m // 64
+        if self.mask not in _MASK_NAMES or self.features & ~(FEAT_SOFTCAP | FEAT_ALIBI) or \
+                self.head_dim % 64 or self.head_dim > 256 or self.block_m % 64 or \
+                not 0 < row_tiles <= self.num_wg or self.num_wg % row_tiles or \
+                (self.head_dim // (self.num_wg // row_tiles)) % 64:
+            raise ValueError(f"FlashBwdSm90Variant: mask 0 to 2 (got {self.mask}), features "
+                             f"softcap / alibi (got {self.features}), head_dim a multiple of 64 "
+                             f"up to 256 (got {self.head_dim}), block_m a multiple of 64 whose "
+                             f"64-row tiles divide num_wg into groups of whole 64-column blocks "
+                             f"(got {self.block_m}, {self.num_wg})")
+
+    def name_parts(self):
+        return (self.dtype, f"hd{self.head_dim}", f"bm{self.block_m}", f"wg{self.num_wg}",
+                _MASK_NAMES[self.mask]) + _feature_parts(self.features)
+
+    def traits_args(self):
+        return (BY_SHORT[self.dtype].cpp, self.head_dim, self.block_m, self.num_wg, self.mask,
+                self.features)
+
+    def target_arch(self, device_arch: str) -> str:
+        return "sm_90a"   # wgmma exists only in the arch-specific target
+
+    def runs_on(self, arch: str) -> bool:
+        return arch == SM90_ARCH
+
+    @property
+    def block_n(self) -> int:
+        return 64 * self.num_wg
+
+    @property
+    def num_threads(self) -> int:
+        return 128 * self.num_wg
+
+    @property
+    def min_blocks(self) -> int | None:
+        return 1      # up to 255 registers: dK and dV of a warpgroup's keys live in registers
+
+    @property
+    def dynamic_smem_bytes(self) -> int:
+        # 1024 B of alignment slack + K and V tiles + 2 stages x (Q tile, dO tile, lse2 and D
+        # rows) + the dS^T tile, 2-byte elements (pinned to Traits::SMEM_BYTES)
+        kv = 2 * 2 * self.block_n * self.head_dim
+        stage = 2 * 2 * self.block_m * self.head_dim + 2 * 4 * self.block_m
+        return 1024 + kv + 2 * stage + 2 * self.block_n * self.block_m
+
+
+@dataclass(frozen=True)
 class _BwdRowsKey:
     """The key of a backward kernel that takes one warp per (token, head) row (the pre-pass,
     the dQ convert) or a block per head (the sinks' gradient): <T, HEAD_DIM, THREADS>."""

@@ -58,6 +58,13 @@ struct FlashBwdTraits : FlashFeatures<FEATURES_> {
   static constexpr int STAGE_BYTES = 2 * QO_TILE_BYTES + 2 * BLOCK_M * 4;
   static constexpr int DS_BYTES = BLOCK_N * BLOCK_M * 2;
   static constexpr int SMEM_BYTES = 2 * KV_TILE_BYTES + STAGES * STAGE_BYTES + DS_BYTES;
+  // The layout of a [row][HEAD_DIM] tile (load_tile): the byte offset of 16-byte chunk ch of
+  // row r (flash_fwd.cuh's swizzle); row r + 8 k sits 8 k ROW_BYTES past row r.
+  template <int ROWS>
+  static __device__ __forceinline__ u32 tile_offset(int r, int ch) {
+    return swizzled_offset<D_CHUNKS>(r, ch);
+  }
+  static constexpr int ROW_BYTES = D_CHUNKS * 16;
 
   static_assert(sizeof(T) == 2, "fp16 / bf16 only");
   static_assert(HEAD_DIM % 32 == 0 && HEAD_DIM <= 256, "compiled head dim: a multiple of 32");
@@ -69,7 +76,8 @@ struct FlashBwdTraits : FlashFeatures<FEATURES_> {
 };
 
 // Copy rows [0, ROWS) of a [row][HEAD_DIM] tile of T (row r at src + r * row_stride) into a
-// swizzled shared tile by cp.async; rows >= valid_rows and columns >= head_dim zero-filled.
+// shared tile of Tr's layout (Tr::tile_offset) by cp.async; rows >= valid_rows and columns >=
+// head_dim zero-filled.
 // Where the block's threads cover whole rows, each copies one fixed column chunk of every
 // ROWS_PER_PASS-th row: one source pointer stepped by a stride (few registers live across the
 // key loop); otherwise chunk c of the tile goes to thread c % THREADS.
@@ -82,15 +90,15 @@ __device__ __forceinline__ void load_tile(u32 dst, const typename Tr::T* src, lo
     const int r0 = tid / D_CHUNKS, ch = tid % D_CHUNKS;
     const bool ch_ok = ch < head_dim_chunks;
     const typename Tr::T* s = src + r0 * row_stride + ch * 8;
-    const u32 d = dst + swizzled_offset<D_CHUNKS>(r0, ch);
+    const u32 d = dst + Tr::template tile_offset<ROWS>(r0, ch);
 #pragma unroll
     for (int it = 0; it < ROWS / ROWS_PER_PASS; ++it) {
       const bool ok = ch_ok && r0 + it * ROWS_PER_PASS < valid_rows;
-      // (ROWS_PER_PASS % 8 == 0 or a whole tile: the swizzle of r0 + it * ROWS_PER_PASS is r0's)
+      // (ROWS_PER_PASS % 8 == 0: the swizzle of r0 + it * ROWS_PER_PASS is r0's)
       const u32 row_off = ROWS_PER_PASS % 8 == 0
-                              ? it * ROWS_PER_PASS * D_CHUNKS * 16
-                              : swizzled_offset<D_CHUNKS>(r0 + it * ROWS_PER_PASS, ch) -
-                                    swizzled_offset<D_CHUNKS>(r0, ch);
+                              ? it * ROWS_PER_PASS * Tr::ROW_BYTES
+                              : Tr::template tile_offset<ROWS>(r0 + it * ROWS_PER_PASS, ch) -
+                                    Tr::template tile_offset<ROWS>(r0, ch);
       cp_async_16(d + row_off, ok ? s + it * ROWS_PER_PASS * row_stride : src, ok ? 16 : 0);
     }
   } else {
@@ -101,21 +109,34 @@ __device__ __forceinline__ void load_tile(u32 dst, const typename Tr::T* src, lo
       if (CHUNKS % THREADS == 0 || c < CHUNKS) {
         const int r = c / D_CHUNKS, ch = c % D_CHUNKS;
         const bool ok = r < valid_rows && ch < head_dim_chunks;
-        cp_async_16(dst + swizzled_offset<D_CHUNKS>(r, ch), ok ? src + r * row_stride + ch * 8 : src,
-                    ok ? 16 : 0);
+        cp_async_16(dst + Tr::template tile_offset<ROWS>(r, ch),
+                    ok ? src + r * row_stride + ch * 8 : src, ok ? 16 : 0);
       }
     }
   }
 }
 
-// Add two floats at p (8-byte aligned) to global memory, without returning anything.
-__device__ __forceinline__ void red_add_f32x2(float* p, float a, float b) {
+// Adds accumulator row hr (0: g, 1: g + 8) of n8 tiles NT, NT + 1, ... into the fp32 row at
+// `row` (tile nt at row + 8 nt, columns 2 t4 and 2 t4 + 1 of it), tiles past `cols` left out,
+// without returning anything. On sm_90 one red.global.add.v2.f32 per tile, its address `row`
+// plus an immediate offset: the adds of a row share one address register (a register pair
+// per add spilled the Hopper kernel at head dim 256).
+template <int NT, int N_TILES>
+__device__ __forceinline__ void add_row(float* row, const float (&acc)[N_TILES][4], int hr,
+                                        int cols) {
+  if constexpr (NT < N_TILES) {
+    if (NT * 8 < cols) {
 #if __CUDA_ARCH__ >= 900
-  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" :: "l"(p), "f"(a), "f"(b) : "memory");
+      asm volatile("red.global.add.v2.f32 [%0+%3], {%1, %2};\n"
+                   :: "l"(row), "f"(acc[NT][2 * hr]), "f"(acc[NT][2 * hr + 1]), "n"(NT * 32)
+                   : "memory");
 #else
-  atomicAdd(p, a);
-  atomicAdd(p + 1, b);
+      atomicAdd(row + NT * 8, acc[NT][2 * hr]);
+      atomicAdd(row + NT * 8 + 1, acc[NT][2 * hr + 1]);
 #endif
+    }
+    add_row<NT + 1>(row, acc, hr, cols);
+  }
 }
 
 // S^T (and with DP, dP^T) of this warp's 16 keys against a chunk of a query tile, in one
@@ -202,19 +223,18 @@ __device__ __forceinline__ void store_key_rows(const float (&acc)[Tr::D_N_TILES]
   }
 }
 
-// One block of the main kernel: its (batch entry, KV head), shared tiles and lane constants,
-// and the key tile it is on (start_tile). pass<WHAT>() walks the query tiles that see that
-// key tile, over every query head of the KV head, with Q, dO, lse2 and D in two stages.
+// What every form of the main kernel's block knows (this one's and flash_bwd_sm90.cuh's): its
+// (batch entry, KV head), its sequence's pointers, and the key tile it is on (start_tile):
+// the query tiles that see it, walked over every query head of the KV head (step it: head
+// head_of(it), first row m0_of(it)), and their loads (Tr::THREADS threads, load_tile's
+// layout: Tr::tile_offset).
 template <typename Tr>
-struct BwdBlock {
+struct BwdWork {
   using T = typename Tr::T;
-  static constexpr int D_CHUNKS = Tr::D_CHUNKS, BLOCK_M = Tr::BLOCK_M, BLOCK_N = Tr::BLOCK_N;
+  static constexpr int BLOCK_M = Tr::BLOCK_M, BLOCK_N = Tr::BLOCK_N;
 
   const FlashBwdParams& p;
-  u32 s_k, s_v, s_stages, s_ds;   // shared: K tile, V tile, the stages, the dS^T tile
-  const float* stage_f32;         // the stages, as floats (lse2 and D rows)
-  int tid, warp, g, t4, kvh;
-  int sq, sk, head_dim_chunks;
+  int kvh, sq, sk, head_dim_chunks;
   typename Tr::Mask mask;
   long long row_base;             // workspace token of this sequence's query row 0
   float* dq_accum;                // this block's slice
@@ -222,33 +242,13 @@ struct BwdBlock {
   const T* do_seq;
   const T* k_seq;                 // key 0 of the sequence, this KV head
   const T* v_seq;
-  // ldmatrix lane patterns (flash_fwd.cuh's): A rows (a_row, chunk 2 s + lane / 16), also
-  // for .trans B; B rows (b_row, chunk 2 s + (lane / 8) % 2), also for .trans A of dS.
-  int a_row, b_row;
-  SwizzledSteps<D_CHUNKS, true> a_steps, b_steps;
-  // (The compact step form: one register each, and a step index known only at run time, as
-  // dQ's column group gives K's .trans steps, needs no per-lane table to index.)
-  // dQ: this warp's row tile and column group, and the byte offset of its dS^T chunk in a row
-  // (2 dq_rt + (lane / 8) % 2).
-  int dq_rt, dq_grp;
-  u32 ds_lane;
-  // The key tile: its first key, this warp's first key, the query tiles [m_lo, m_lo + n_m)
-  // that see any of its keys, [full_lo, full_hi) that see all (no mask), and the steps
-  // (query head of the group, query tile).
-  int n0, key0, m_lo, n_m, full_lo, full_hi, n_iter;
+  // The key tile: its first key, the query tiles [m_lo, m_lo + n_m) that see any of its
+  // keys, [full_lo, full_hi) that see all (no mask), and the steps (query head of the group,
+  // query tile).
+  int n0, m_lo, n_m, full_lo, full_hi, n_iter;
 
-  __device__ __forceinline__ BwdBlock(const FlashBwdParams& params, unsigned char* smem)
-      : p(params), mask(0, 0, 0, 0), a_steps(0, 0), b_steps(0, 0) {
-    s_k = smem_addr(smem);
-    s_v = s_k + Tr::KV_TILE_BYTES;
-    s_stages = s_v + Tr::KV_TILE_BYTES;
-    s_ds = s_stages + Tr::STAGES * Tr::STAGE_BYTES;
-    stage_f32 = reinterpret_cast<const float*>(smem + 2 * Tr::KV_TILE_BYTES);
-    tid = threadIdx.x;
-    warp = tid / 32;
-    const int lane = tid % 32;
-    g = lane / 4;
-    t4 = lane % 4;
+  __device__ __forceinline__ explicit BwdWork(const FlashBwdParams& params)
+      : p(params), mask(0, 0, 0, 0) {
     kvh = blockIdx.y;
     const int b = blockIdx.z;
     const SeqRange qr = seq_range(p.cu_seqlens_q, b, p.seqlen_q);
@@ -267,18 +267,10 @@ struct BwdBlock {
             (long long)kr.start * p.k_stride_row + kvh * p.k_stride_head;
     v_seq = static_cast<const T*>(p.v) + b * p.v_stride_batch +
             (long long)kr.start * p.v_stride_row + kvh * p.v_stride_head;
-    a_row = (lane % 8) + ((lane / 8) % 2) * 8;
-    b_row = (lane % 8) + (lane / 16) * 8;
-    a_steps = SwizzledSteps<D_CHUNKS, true>(a_row, lane / 16);
-    b_steps = SwizzledSteps<D_CHUNKS, true>(b_row, (lane / 8) % 2);
-    dq_rt = warp % Tr::DQ_ROW_TILES;
-    dq_grp = warp / Tr::DQ_ROW_TILES;
-    ds_lane = swizzled_offset<Tr::M_CHUNKS>(b_row, 2 * dq_rt + (lane / 8) % 2);
   }
 
   __device__ __forceinline__ void start_tile(int n) {
     n0 = n * BLOCK_N;
-    key0 = n0 + warp * 16;
     const auto rows = mask.rows(n0, min(n0 + BLOCK_N, sk) - 1, sq);
     m_lo = rows.begin / BLOCK_M;
     const int m_hi = rows.end > rows.begin ? (rows.end + BLOCK_M - 1) / BLOCK_M : m_lo;
@@ -289,28 +281,29 @@ struct BwdBlock {
     n_iter = p.head_group * n_m;
   }
 
-  __device__ __forceinline__ u32 s_q(int st) const { return s_stages + st * Tr::STAGE_BYTES; }
-  __device__ __forceinline__ u32 s_do(int st) const { return s_q(st) + Tr::QO_TILE_BYTES; }
-  __device__ __forceinline__ u32 s_rows(int st) const { return s_do(st) + Tr::QO_TILE_BYTES; }
-  __device__ __forceinline__ const float* rows_of(int st) const {   // lse2, then D
-    return stage_f32 + (st * Tr::STAGE_BYTES + 2 * Tr::QO_TILE_BYTES) / 4;
-  }
   __device__ __forceinline__ int head_of(int it) const { return kvh * p.head_group + it / n_m; }
   __device__ __forceinline__ int m0_of(int it) const { return (m_lo + it % n_m) * BLOCK_M; }
+  // Whether step it's query tile needs the mask (some of its (query, key) pairs are not seen).
+  __device__ __forceinline__ bool masked(int it) const {
+    const int m = m_lo + it % n_m;
+    return !(m >= full_lo && m < full_hi);
+  }
 
-  __device__ __forceinline__ void load_kv() const {
+  // The key tile's K and V rows (rows past sk zero-filled).
+  __device__ __forceinline__ void load_kv(u32 s_k, u32 s_v, int tid) const {
     load_tile<Tr, BLOCK_N>(s_k, k_seq + (long long)n0 * p.k_stride_row, p.k_stride_row, sk - n0,
                            head_dim_chunks, tid);
     load_tile<Tr, BLOCK_N>(s_v, v_seq + (long long)n0 * p.v_stride_row, p.v_stride_row, sk - n0,
                            head_dim_chunks, tid);
   }
 
-  // Step it's Q, dO, lse2 and D rows into stage it % STAGES (rows past sq zero-filled).
-  __device__ __forceinline__ void load_stage(int it) const {
-    const int h = head_of(it), m0 = m0_of(it), st = it % Tr::STAGES;
-    load_tile<Tr, BLOCK_M>(s_q(st), q_seq + (long long)m0 * p.q_stride_row + h * p.q_stride_head,
+  // Step it's Q and dO tiles, and its lse2 then D rows (2 BLOCK_M floats at s_rows; rows past
+  // sq zero-filled).
+  __device__ __forceinline__ void load_step(int it, u32 s_q, u32 s_do, u32 s_rows, int tid) const {
+    const int h = head_of(it), m0 = m0_of(it);
+    load_tile<Tr, BLOCK_M>(s_q, q_seq + (long long)m0 * p.q_stride_row + h * p.q_stride_head,
                            p.q_stride_row, sq - m0, head_dim_chunks, tid);
-    load_tile<Tr, BLOCK_M>(s_do(st), do_seq + (long long)m0 * p.do_stride_row + h * p.do_stride_head,
+    load_tile<Tr, BLOCK_M>(s_do, do_seq + (long long)m0 * p.do_stride_row + h * p.do_stride_head,
                            p.do_stride_row, sq - m0, head_dim_chunks, tid);
     const long long row0 = h * (long long)p.total_q + row_base + m0;
     const float* lse2 = static_cast<const float*>(p.lse2);
@@ -318,8 +311,150 @@ struct BwdBlock {
     for (int c = tid; c < 2 * BLOCK_M; c += Tr::THREADS) {
       const int r = c % BLOCK_M;
       const bool ok = m0 + r < sq;
-      cp_async_4(s_rows(st) + c * 4, ok ? (c < BLOCK_M ? lse2 : dsum) + row0 + r : lse2, ok ? 4 : 0);
+      cp_async_4(s_rows + c * 4, ok ? (c < BLOCK_M ? lse2 : dsum) + row0 + r : lse2, ok ? 4 : 0);
     }
+  }
+
+  // The start of a pass<WHAT> (kBwd* bits) over the key tile: its accumulators zeroed, then,
+  // once every thread is done with the shared tiles of the last pass or tile, the K and V
+  // tiles (a second pass keeps them) and step 0's stage (load_stage(0)) in one cp.async group.
+  template <int WHAT, int N_TILES, typename LoadStage>
+  __device__ __forceinline__ void begin_pass(float (&acc_v)[N_TILES][4],
+                                             float (&acc_k)[N_TILES][4], u32 s_k, u32 s_v,
+                                             int tid, LoadStage&& load_stage) const {
+#pragma unroll
+    for (int nt = 0; nt < N_TILES; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        if (WHAT & kBwdDv) acc_v[nt][e] = 0.f;
+        if (WHAT & kBwdDk) acc_k[nt][e] = 0.f;
+      }
+    }
+    __syncthreads();
+    if ((WHAT & kBwdDv) || Tr::PASSES == 1) load_kv(s_k, s_v, tid);
+    if (n_iter > 0) load_stage(0);
+    cp_async_commit();
+  }
+
+  // The first dK / dV row of the sequence's keys (varlen: they start at cu_seqlens_k[b]).
+  __device__ __forceinline__ T* grad_rows(void* grad, long long s_batch, long long s_row,
+                                          long long s_head) const {
+    const int b = blockIdx.z;
+    const long long k0 =
+        p.cu_seqlens_k == nullptr ? 0 : static_cast<const int*>(p.cu_seqlens_k)[b];
+    return static_cast<T*>(grad) + b * s_batch + kvh * s_head + k0 * s_row;
+  }
+};
+
+// P = exp2(scale hook(S) - lse2) (0 where masked) in place of S and, with DS, dS = P (dP - D)
+// hook' in place of dP, for accumulators of 16 keys (rows key0 + g, + 8) x N_TILES n8 tiles
+// of queries (columns m0 + 8 nt + 2 t4, + 1), whose lse2 and D sit at lse2_d[c] and
+// lse2_d[BLOCK_M + c] (c = the column - m0); query head h.
+template <typename Tr, bool DS, int N_TILES>
+__device__ __forceinline__ void p_and_ds(float (&s)[N_TILES][4], float (&dp)[N_TILES][4],
+                                         const BwdWork<Tr>& w, const float* lse2_d, int h,
+                                         int m0, int key0, int g, int t4, bool masked) {
+  const FlashBwdParams& p = w.p;
+  float slope = 0.f;
+  if constexpr (Tr::ALIBI) {
+    slope = static_cast<const float*>(p.alibi_slopes)[blockIdx.z * p.alibi_stride_batch + h] *
+            p.softmax_scale_inv;
+  }
+  const typename Tr::Logits hook(slope, p.softcap_in, p.softcap_out);
+#pragma unroll
+  for (int nt = 0; nt < N_TILES; ++nt) {
+    const int i_loc = nt * 8 + 2 * t4;
+    const float2 l2 = *reinterpret_cast<const float2*>(lse2_d + i_loc);
+    float2 dd = make_float2(0.f, 0.f);
+    if constexpr (DS) dd = *reinterpret_cast<const float2*>(lse2_d + Tr::BLOCK_M + i_loc);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int i = m0 + i_loc + (e & 1);
+      const int j = key0 + g + 8 * (e >> 1);
+      float x = s[nt][e], dx = 1.f;
+      if constexpr (Tr::Logits::ACTIVE) x = hook(x, i + w.mask.diag, j, dx);
+      if (masked && !(i < w.sq && w.mask.visible(i, j, w.sk))) x = neg_inf();
+      const float pe = exp2f(fmaf(x, p.scale_log2, -((e & 1) ? l2.y : l2.x)));
+      s[nt][e] = pe;
+      if constexpr (DS) dp[nt][e] = pe * (dp[nt][e] - ((e & 1) ? dd.y : dd.x)) * dx;
+    }
+  }
+}
+
+// A (16 keys x N_TILES n8 tiles) accumulators packed to T as the A operands of k16 steps
+// (flash_fwd.cuh's pack_p layout, which wgmma's register A shares).
+template <typename T, int N_TILES>
+__device__ __forceinline__ void pack_rows(u32 (&a)[N_TILES / 2][4], const float (&x)[N_TILES][4]) {
+#pragma unroll
+  for (int kk = 0; kk < N_TILES / 2; ++kk) {
+    a[kk][0] = pack_pair<T>(x[2 * kk][0], x[2 * kk][1]);
+    a[kk][1] = pack_pair<T>(x[2 * kk][2], x[2 * kk][3]);
+    a[kk][2] = pack_pair<T>(x[2 * kk + 1][0], x[2 * kk + 1][1]);
+    a[kk][3] = pack_pair<T>(x[2 * kk + 1][2], x[2 * kk + 1][3]);
+  }
+}
+
+// One block of the mma.sync kernel: BwdWork, its shared tiles and lane constants, and this
+// warp's first key of the tile. pass<WHAT>() walks the query tiles that see the key tile,
+// with Q, dO, lse2 and D in two stages.
+template <typename Tr>
+struct BwdBlock : BwdWork<Tr> {
+  using T = typename Tr::T;
+  using Work = BwdWork<Tr>;
+  static constexpr int D_CHUNKS = Tr::D_CHUNKS, BLOCK_M = Tr::BLOCK_M, BLOCK_N = Tr::BLOCK_N;
+  using Work::p;
+
+  u32 s_k, s_v, s_stages, s_ds;   // shared: K tile, V tile, the stages, the dS^T tile
+  const float* stage_f32;         // the stages, as floats (lse2 and D rows)
+  int tid, warp, g, t4;
+  // ldmatrix lane patterns (flash_fwd.cuh's): A rows (a_row, chunk 2 s + lane / 16), also
+  // for .trans B; B rows (b_row, chunk 2 s + (lane / 8) % 2), also for .trans A of dS.
+  int a_row, b_row;
+  SwizzledSteps<D_CHUNKS, true> a_steps, b_steps;
+  // (The compact step form: one register each, and a step index known only at run time, as
+  // dQ's column group gives K's .trans steps, needs no per-lane table to index.)
+  // dQ: this warp's row tile and column group, and the byte offset of its dS^T chunk in a row
+  // (2 dq_rt + (lane / 8) % 2).
+  int dq_rt, dq_grp;
+  u32 ds_lane;
+  int warp_key0;                  // this warp's first key of the key tile
+
+  __device__ __forceinline__ BwdBlock(const FlashBwdParams& params, unsigned char* smem)
+      : Work(params), a_steps(0, 0), b_steps(0, 0) {
+    s_k = smem_addr(smem);
+    s_v = s_k + Tr::KV_TILE_BYTES;
+    s_stages = s_v + Tr::KV_TILE_BYTES;
+    s_ds = s_stages + Tr::STAGES * Tr::STAGE_BYTES;
+    stage_f32 = reinterpret_cast<const float*>(smem + 2 * Tr::KV_TILE_BYTES);
+    tid = threadIdx.x;
+    warp = tid / 32;
+    const int lane = tid % 32;
+    g = lane / 4;
+    t4 = lane % 4;
+    a_row = (lane % 8) + ((lane / 8) % 2) * 8;
+    b_row = (lane % 8) + (lane / 16) * 8;
+    a_steps = SwizzledSteps<D_CHUNKS, true>(a_row, lane / 16);
+    b_steps = SwizzledSteps<D_CHUNKS, true>(b_row, (lane / 8) % 2);
+    dq_rt = warp % Tr::DQ_ROW_TILES;
+    dq_grp = warp / Tr::DQ_ROW_TILES;
+    ds_lane = swizzled_offset<Tr::M_CHUNKS>(b_row, 2 * dq_rt + (lane / 8) % 2);
+  }
+
+  __device__ __forceinline__ void start_tile(int n) {
+    Work::start_tile(n);
+    warp_key0 = this->n0 + warp * 16;
+  }
+  __device__ __forceinline__ int key0() const { return warp_key0; }
+
+  __device__ __forceinline__ u32 s_q(int st) const { return s_stages + st * Tr::STAGE_BYTES; }
+  __device__ __forceinline__ u32 s_do(int st) const { return s_q(st) + Tr::QO_TILE_BYTES; }
+  __device__ __forceinline__ u32 s_rows(int st) const { return s_do(st) + Tr::QO_TILE_BYTES; }
+  __device__ __forceinline__ const float* rows_of(int st) const {   // lse2, then D
+    return stage_f32 + (st * Tr::STAGE_BYTES + 2 * Tr::QO_TILE_BYTES) / 4;
+  }
+  __device__ __forceinline__ void load_stage(int it) const {
+    const int st = it % Tr::STAGES;
+    this->load_step(it, s_q(st), s_do(st), s_rows(st), tid);
   }
 
   // One walk over the key tile's query tiles: dV += P^T dO into acc_v (kBwdDv), dK += dS^T Q
@@ -328,22 +463,13 @@ struct BwdBlock {
   __device__ __forceinline__ void pass(float (&acc_v)[Tr::D_N_TILES][4],
                                        float (&acc_k)[Tr::D_N_TILES][4]) const {
     constexpr bool DV = WHAT & kBwdDv, DK = WHAT & kBwdDk, DQ = WHAT & kBwdDq, DS = DK || DQ;
-#pragma unroll
-    for (int nt = 0; nt < Tr::D_N_TILES; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        if (DV) acc_v[nt][e] = 0.f;
-        if (DK) acc_k[nt][e] = 0.f;
-      }
-    }
-    __syncthreads();   // every warp is done with the shared tiles of the last pass or tile
-    if (DV || Tr::PASSES == 1) load_kv();   // (a second pass keeps them)
-    if (n_iter > 0) load_stage(0);
-    cp_async_commit();
+    this->template begin_pass<WHAT>(acc_v, acc_k, s_k, s_v, tid,
+                                    [&](int it) { load_stage(it); });
+    const int n_iter = this->n_iter;
 
     for (int it = 0; it < n_iter; ++it) {
-      const int h = head_of(it), m0 = m0_of(it), st = it % Tr::STAGES;
-      const bool masked = !(m0 / BLOCK_M >= full_lo && m0 / BLOCK_M < full_hi);
+      const int h = this->head_of(it), m0 = this->m0_of(it), st = it % Tr::STAGES;
+      const bool masked = this->masked(it);
       cp_async_wait<0>();
       __syncthreads();   // step it's stage has landed everywhere; the other one is free
       if (it + 1 < n_iter) load_stage(it + 1);
@@ -361,16 +487,16 @@ struct BwdBlock {
                                 q_rows + b_row * D_CHUNKS * 16, do_rows + b_row * D_CHUNKS * 16,
                                 a_steps, b_steps);
         // P = exp2(scale hook(S) - lse2), 0 where masked; dS = P (dP - D) hook'
-        scores_to_p_ds<DS>(s, dp, rows_of(st) + c * Tr::Q_CHUNK, h, m0 + c * Tr::Q_CHUNK,
-                           masked);
+        p_and_ds<Tr, DS>(s, dp, *this, rows_of(st) + c * Tr::Q_CHUNK, h, m0 + c * Tr::Q_CHUNK,
+                         warp_key0, g, t4, masked);
         if constexpr (DV) {
           u32 pa[Tr::C_K_STEPS][4];
-          pack_rows(pa, s);
+          pack_rows<T>(pa, s);
           keys_by_dims<Tr>(acc_v, pa, do_rows + a_row * D_CHUNKS * 16, a_steps);
         }
         if constexpr (DS) {
           u32 dsa[Tr::C_K_STEPS][4];
-          pack_rows(dsa, dp);
+          pack_rows<T>(dsa, dp);
           if constexpr (DK) keys_by_dims<Tr>(acc_k, dsa, q_rows + a_row * D_CHUNKS * 16, a_steps);
           if constexpr (DQ) store_ds(dsa, c);
         }
@@ -381,52 +507,6 @@ struct BwdBlock {
       }
     }
     cp_async_wait<0>();
-  }
-
-  // P (in s) and, with DS, dS (in dp) of this warp's keys x a chunk's queries (its first
-  // query m0, its lse2 and D rows at lse2_d and lse2_d + BLOCK_M).
-  template <bool DS>
-  __device__ __forceinline__ void scores_to_p_ds(float (&s)[Tr::C_N_TILES][4],
-                                                 float (&dp)[Tr::C_N_TILES][4],
-                                                 const float* lse2_d, int h, int m0,
-                                                 bool masked) const {
-    float slope = 0.f;
-    if constexpr (Tr::ALIBI) {
-      slope = static_cast<const float*>(p.alibi_slopes)[blockIdx.z * p.alibi_stride_batch + h] *
-              p.softmax_scale_inv;
-    }
-    const typename Tr::Logits hook(slope, p.softcap_in, p.softcap_out);
-#pragma unroll
-    for (int nt = 0; nt < Tr::C_N_TILES; ++nt) {
-      const int i_loc = nt * 8 + 2 * t4;
-      const float2 l2 = *reinterpret_cast<const float2*>(lse2_d + i_loc);
-      float2 dd = make_float2(0.f, 0.f);
-      if constexpr (DS) dd = *reinterpret_cast<const float2*>(lse2_d + BLOCK_M + i_loc);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int i = m0 + i_loc + (e & 1);
-        const int j = key0 + g + 8 * (e >> 1);
-        float x = s[nt][e], dx = 1.f;
-        if constexpr (Tr::Logits::ACTIVE) x = hook(x, i + mask.diag, j, dx);
-        if (masked && !(i < sq && mask.visible(i, j, sk))) x = neg_inf();
-        const float pe = exp2f(fmaf(x, p.scale_log2, -((e & 1) ? l2.y : l2.x)));
-        s[nt][e] = pe;
-        if constexpr (DS) dp[nt][e] = pe * (dp[nt][e] - ((e & 1) ? dd.y : dd.x)) * dx;
-      }
-    }
-  }
-
-  // A (16 keys x Q_CHUNK queries) accumulators packed to T as the A operands of k16 steps
-  // (flash_fwd.cuh's pack_p layout).
-  static __device__ __forceinline__ void pack_rows(u32 (&a)[Tr::C_K_STEPS][4],
-                                                   const float (&x)[Tr::C_N_TILES][4]) {
-#pragma unroll
-    for (int kk = 0; kk < Tr::C_K_STEPS; ++kk) {
-      a[kk][0] = pack_pair<T>(x[2 * kk][0], x[2 * kk][1]);
-      a[kk][1] = pack_pair<T>(x[2 * kk][2], x[2 * kk][3]);
-      a[kk][2] = pack_pair<T>(x[2 * kk + 1][0], x[2 * kk + 1][1]);
-      a[kk][3] = pack_pair<T>(x[2 * kk + 1][2], x[2 * kk + 1][3]);
-    }
   }
 
   // This warp's dS^T rows of column chunk c into the [key][query] tile: a[kk][r] holds (key
@@ -464,22 +544,48 @@ struct BwdBlock {
       }
     }
     const int r0 = m0 + dq_rt * 16;
-    float* rows = dq_accum + ((row_base + r0) * p.num_heads + h) * (long long)p.head_dim +
+    float* rows = this->dq_accum + ((this->row_base + r0) * p.num_heads + h) * (long long)p.head_dim +
                   dq_grp * Tr::DQ_DIMS + 2 * t4;
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
       const int r = g + 8 * hr;
-      if (r0 + r >= sq) continue;
-      float* row = rows + (long long)r * p.num_heads * p.head_dim;
-#pragma unroll
-      for (int nt = 0; nt < Tr::DQ_N_TILES; ++nt) {
-        if (dq_grp * Tr::DQ_DIMS + nt * 8 < p.head_dim) {
-          red_add_f32x2(row + nt * 8, acc[nt][2 * hr], acc[nt][2 * hr + 1]);
-        }
-      }
+      if (r0 + r >= this->sq) continue;
+      add_row<0>(rows + (long long)r * p.num_heads * p.head_dim, acc, hr,
+                 p.head_dim - dq_grp * Tr::DQ_DIMS);
     }
   }
 };
+
+// The key tiles of a block of either main kernel (flash_bwd_kernel, flash_bwd_sm90_kernel):
+// tiles x, x + gridDim.x, ... of its KV head and batch entry; for each, pass<WHAT>() over the
+// query tiles that see it (one pass, or dV then dK and dQ), then the rows of dV and of dK
+// (times the softmax scale) of this thread's 16 keys (Block::key0()).
+template <typename Tr, typename Block>
+__device__ __forceinline__ void bwd_key_tiles(const FlashBwdParams& p, Block& blk) {
+  using T = typename Tr::T;
+  T* dk_seq = blk.grad_rows(p.dk, p.dk_stride_batch, p.dk_stride_row, p.dk_stride_head);
+  T* dv_seq = blk.grad_rows(p.dv, p.dv_stride_batch, p.dv_stride_row, p.dv_stride_head);
+  for (int n = blockIdx.x; n * Tr::BLOCK_N < blk.sk; n += gridDim.x) {
+    blk.start_tile(n);
+    const int key0 = blk.key0();
+    if constexpr (Tr::PASSES == 1) {
+      float acc_v[Tr::D_N_TILES][4], acc_k[Tr::D_N_TILES][4];
+      blk.template pass<kBwdAll>(acc_v, acc_k);
+      store_key_rows<Tr>(acc_v, dv_seq, p.dv_stride_row, key0, blk.sk, p.head_dim, 1.f, blk.g,
+                         blk.t4);
+      store_key_rows<Tr>(acc_k, dk_seq, p.dk_stride_row, key0, blk.sk, p.head_dim,
+                         p.softmax_scale, blk.g, blk.t4);
+    } else {
+      float acc[Tr::D_N_TILES][4];
+      blk.template pass<kBwdDv>(acc, acc);
+      store_key_rows<Tr>(acc, dv_seq, p.dv_stride_row, key0, blk.sk, p.head_dim, 1.f, blk.g,
+                         blk.t4);
+      blk.template pass<kBwdDk | kBwdDq>(acc, acc);
+      store_key_rows<Tr>(acc, dk_seq, p.dk_stride_row, key0, blk.sk, p.head_dim,
+                         p.softmax_scale, blk.g, blk.t4);
+    }
+  }
+}
 
 // Grid: (ceil(max_seqlen_k / BLOCK_N), num_heads_kv, batch), or deterministically (dq_slices,
 // num_heads_kv, batch); block: (NUM_WARPS * 32), dynamic shared memory: Tr::SMEM_BYTES.
@@ -492,40 +598,10 @@ struct BwdBlock {
 // written once per tile (zeros where no query sees a key).
 template <typename Tr>
 __device__ void flash_bwd_kernel(const FlashBwdParams& p) {
-  using T = typename Tr::T;
   extern __shared__ __align__(128) unsigned char smem[];
   BwdBlock<Tr> blk(p, smem);
-  const int b = blockIdx.z;
-  // (varlen: sequence b's keys start at cu_seqlens_k[b], as BwdBlock's kr.start)
-  T* dk_seq = static_cast<T*>(p.dk) + b * p.dk_stride_batch + blk.kvh * p.dk_stride_head +
-              (p.cu_seqlens_k == nullptr
-                   ? 0
-                   : (long long)static_cast<const int*>(p.cu_seqlens_k)[b] * p.dk_stride_row);
-  T* dv_seq = static_cast<T*>(p.dv) + b * p.dv_stride_batch + blk.kvh * p.dv_stride_head +
-              (p.cu_seqlens_k == nullptr
-                   ? 0
-                   : (long long)static_cast<const int*>(p.cu_seqlens_k)[b] * p.dv_stride_row);
-  for (int n = blockIdx.x; n * Tr::BLOCK_N < blk.sk; n += gridDim.x) {
-    blk.start_tile(n);
-    if constexpr (Tr::PASSES == 1) {
-      float acc_v[Tr::D_N_TILES][4], acc_k[Tr::D_N_TILES][4];
-      blk.template pass<kBwdAll>(acc_v, acc_k);
-      store_key_rows<Tr>(acc_v, dv_seq, p.dv_stride_row, blk.key0, blk.sk, p.head_dim, 1.f,
-                         blk.g, blk.t4);
-      store_key_rows<Tr>(acc_k, dk_seq, p.dk_stride_row, blk.key0, blk.sk, p.head_dim,
-                         p.softmax_scale, blk.g, blk.t4);
-    } else {
-      float acc[Tr::D_N_TILES][4];
-      blk.template pass<kBwdDv>(acc, acc);
-      store_key_rows<Tr>(acc, dv_seq, p.dv_stride_row, blk.key0, blk.sk, p.head_dim, 1.f, blk.g,
-                         blk.t4);
-      blk.template pass<kBwdDk | kBwdDq>(acc, acc);
-      store_key_rows<Tr>(acc, dk_seq, p.dk_stride_row, blk.key0, blk.sk, p.head_dim,
-                         p.softmax_scale, blk.g, blk.t4);
-    }
-  }
+  bwd_key_tiles<Tr>(p, blk);
 }
-
 
 // The row kernels' knobs: one warp per (token, head) row, THREADS per block.
 template <typename T_, int HEAD_DIM_, int THREADS_>

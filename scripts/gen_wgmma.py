@@ -28,12 +28,12 @@ def _dlist(n: int) -> str:
 def _asm(n: int, ptx_t: str, a_inputs: list[str], flags: str, extra: list[str] = ()) -> str:
     """One wgmma asm statement: the N / 2 accumulators, then the A operand (a descriptor, or
     four registers), B's descriptor, scale_d and `extra` as inputs; `flags` are the
-    immediates after the scale-d predicate (%E names extra's first operand)."""
+    immediates after the scale-d predicate (%E and %F name extra's operands)."""
     k = n // 2
     a_ops = ", ".join(f"%{k + i}" for i in range(len(a_inputs)))
     a_ops = a_ops if len(a_inputs) == 1 else "{" + a_ops + "}"
     b_op, d_op = k + len(a_inputs), k + len(a_inputs) + 1
-    flags = flags.replace("%E", f"%{d_op + 1}")
+    flags = flags.replace("%E", f"%{d_op + 1}").replace("%F", f"%{d_op + 2}")
     inputs = ", ".join(a_inputs + ['"l"(b)', '"r"(scale_d)'] + list(extra))
     return (f'    asm volatile(\n'
             f'        "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{d_op}, 0;\\n"\n'
@@ -44,8 +44,8 @@ def _asm(n: int, ptx_t: str, a_inputs: list[str], flags: str, extra: list[str] =
             f'        : {inputs});\n')
 
 
-def _ss(n: int, ptx_t: str) -> str:
-    return _asm(n, ptx_t, ['"l"(a)'], "1, 1, 0, 0")          # scale A, B; no transposes
+def _ss(n: int, ptx_t: str) -> str:   # A, B K-major unless TRANS_A / TRANS_B (MN-major)
+    return _asm(n, ptx_t, ['"l"(a)'], "1, 1, %E, %F", ['"n"(TRANS_A)', '"n"(TRANS_B)'])
 
 
 def _rs(n: int, ptx_t: str) -> str:   # B transposed (MN-major) unless TRANS_B is 0
@@ -59,8 +59,9 @@ def render() -> str:
         '// "Asynchronous Warpgroup Level Matrix Multiply-Accumulate"). d[N / 8][4] holds the',
         "// accumulators in mma.sync's C layout per warp: warp w of the warpgroup owns rows",
         "// 16 w .. 16 w + 15, and d[j] is the n8 tile j (common/mma.cuh's C fragment).",
-        "//   Wgmma<T, N>::ss(d, a, b, scale_d): A (64 x 16) and B (N x 16), both K-major, by",
-        "//     shared-memory descriptors (common/wgmma.cuh); d = A B^T + (scale_d ? d : 0).",
+        "//   Wgmma<T, N>::ss<TRANS_A = 0, TRANS_B = 0>(d, a, b, scale_d): A (64 x 16) and B",
+        "//     (N x 16) by shared-memory descriptors (common/wgmma.cuh), K-major (TRANS_*: 1,",
+        "//     MN-major); d = A B^T + (scale_d ? d : 0).",
         "//   Wgmma<T, N>::rs<TRANS_B = 1>(d, a, b, scale_d): A from registers (mma.sync's A",
         "//     fragment of the warp's 16 rows), B (16 x N) by descriptor, MN-major (transposed;",
         "//     TRANS_B 0: K-major).",
@@ -79,8 +80,8 @@ def render() -> str:
             for name, ns, a_arg, body in (("ss", SS_NS, "unsigned long long a", _ss),
                                           ("rs", RS_NS, "const unsigned (&a)[4]", _rs)):
                 if n in ns:
-                    if name == "rs":
-                        out.append("  template <int TRANS_B = 1>")
+                    out.append("  template <int TRANS_B = 1>" if name == "rs" else
+                               "  template <int TRANS_A = 0, int TRANS_B = 0>")
                     out.append(f"  static __device__ __forceinline__ void {name}(float "
                                f"(&d)[{n // 8}][4], {a_arg},")
                     out.append("                                          unsigned long long b, "

@@ -125,12 +125,17 @@ reduced="tests/test_merge.py
  tests/test_prefill.py::test_decode_hooks_windows_and_layouts[window1-v2-softcap+alibi+sinks-vllm-8-simt]
  tests/test_flashinfer_tables.py::test_matches_numpy[300-256-300]
  tests/test_flashinfer_tables.py::test_writes_into_row_strided_out_buffers_and_nothing_else
- tests/test_flash_bwd.py::test_bwd_sweep[d64-97x131-nc]
- tests/test_flash_bwd.py::test_bwd_sweep[d192-97x131-nc]
- tests/test_flash_bwd.py::test_bwd_rows_that_see_no_key_get_zero_gradients
- tests/test_flash_bwd.py::test_bwd_features[7-256]
- tests/test_flash_bwd.py::test_bwd_varlen_every_kernel[64]
- tests/test_flash_bwd.py::test_bwd_varlen_every_kernel[192]"
+ tests/test_flash_bwd.py::test_bwd_sweep[wgmma-d64-97x131-nc]
+ tests/test_flash_bwd.py::test_bwd_sweep[wgmma-d128-97x131-c]
+ tests/test_flash_bwd.py::test_bwd_sweep[mma-d64-97x131-nc]
+ tests/test_flash_bwd.py::test_bwd_sweep[mma-d192-97x131-nc]
+ tests/test_flash_bwd.py::test_bwd_rows_that_see_no_key_get_zero_gradients[wgmma]
+ tests/test_flash_bwd.py::test_bwd_rows_that_see_no_key_get_zero_gradients[mma]
+ tests/test_flash_bwd.py::test_bwd_features[wgmma-7-128]
+ tests/test_flash_bwd.py::test_bwd_features[mma-7-256]
+ tests/test_flash_bwd.py::test_bwd_varlen_every_kernel[wgmma-64]
+ tests/test_flash_bwd.py::test_bwd_varlen_every_kernel[mma-64]
+ tests/test_flash_bwd.py::test_bwd_varlen_every_kernel[mma-192]"
 pytest=(python3 -m pytest -q -m gpu -p no:cacheprovider)
 
 summarize() {   # $1 name, $2 exit code, $3 log -> one line on stdout and in the summary file

@@ -21,7 +21,7 @@ import pytest
 import cuattn
 from cuattn import tuning, tuning_bwd
 from cuattn.variants import MASK_CAUSAL, MASK_NONE, MASK_WINDOW, FEAT_ALIBI, FEAT_SOFTCAP, \
-    FlashBwdVariant
+    FlashBwdSm90Variant, FlashBwdVariant
 from tests.compiled import compile_reports, unclean
 from tests.reference import attention_backward_reference, attention_reference, grad_tolerance
 
@@ -76,15 +76,52 @@ def _as_call(args):
     return {_arg(n): x for n, x in args.items()}
 
 
+# ---- the two kernels of sm_90 ------------------------------------------------------------------
+# Every GPU test below runs on both main kernels of an sm_90 device, the Hopper one ("wgmma")
+# and mma.sync's ("mma"), forced by tuning.override(flash_path=...) (which the forward that
+# makes out and lse follows too); other devices run theirs ("mma") once.
+
+def pytest_generate_tests(metafunc):
+    if metafunc.definition.get_closest_marker("gpu") is not None:
+        metafunc.parametrize("bwd_path", ["wgmma", "mma"], indirect=True)
+
+
+@pytest.fixture(autouse=True)
+def bwd_path(request):
+    path = getattr(request, "param", None)
+    if path is None:
+        yield None
+        return
+    from cuattn.jit import arch_of_device
+    arch = arch_of_device(0)
+    if path == "wgmma" and arch != "sm_90":
+        pytest.skip(f"the Hopper backward runs on sm_90 only, this device is {arch}")
+    with tuning.override(flash_path=path if arch == "sm_90" else "mma"):
+        yield path
+
+
 # ---- CPU: compilation -----------------------------------------------------------------------
 
 _HEAD_DIMS = tuning_bwd.BWD_HEAD_DIMS
 
 
 def _forms(arch):
-    return [tuning_bwd.flash_bwd_variant(dt, hd, mask=mask, arch=arch, features=f)
-            for hd in _HEAD_DIMS for mask in (MASK_NONE, MASK_CAUSAL, MASK_WINDOW)
-            for f in (0, FEAT_SOFTCAP | FEAT_ALIBI) for dt in ("bf16",)]
+    """The mma.sync kernel's forms (on sm_90 too: forced)."""
+    with tuning.override(flash_path="mma"):
+        return [tuning_bwd.flash_bwd_variant(dt, hd, mask=mask, arch=arch, features=f)
+                for hd in _HEAD_DIMS for mask in (MASK_NONE, MASK_CAUSAL, MASK_WINDOW)
+                for f in (0, FEAT_SOFTCAP | FEAT_ALIBI) for dt in ("bf16",)]
+
+
+# The Hopper kernel's head dims that tuning_bwd.flash_bwd_path picks it for (192 and 256 run
+# there only when forced: see FLASH_BWD_SM90_DEFAULT).
+_SM90_HEAD_DIMS = tuning_bwd.FLASH_BWD_SM90_DEFAULT
+
+
+def _sm90_forms(head_dims=_SM90_HEAD_DIMS, dtypes=("bf16",)):
+    return [tuning_bwd.flash_bwd_variant(dt, hd, mask=mask, arch="sm_90", features=f)
+            for hd in head_dims for mask in (MASK_NONE, MASK_CAUSAL, MASK_WINDOW)
+            for f in (0, FEAT_SOFTCAP | FEAT_ALIBI) for dt in dtypes]
 
 
 @pytest.mark.parametrize("arch", sorted(SMEM_LIMIT))
@@ -92,6 +129,12 @@ def test_backward_tiles_fit_each_family(arch):
     for v in _forms(arch):
         assert v.dynamic_smem_bytes <= SMEM_LIMIT[arch], (arch, v.name)
         assert v.block_m % v.q_chunk == 0 and v.num_threads <= 256
+    if arch == "sm_90":
+        with tuning.override(flash_path="wgmma"):
+            forms = _sm90_forms(sorted(tuning_bwd.FLASH_BWD_SM90_TILES))
+        for v in forms:
+            assert isinstance(v, FlashBwdSm90Variant), v.name
+            assert v.dynamic_smem_bytes <= SMEM_LIMIT[arch], v.name
 
 
 def _within_bounds(forms, arch):
@@ -100,19 +143,27 @@ def _within_bounds(forms, arch):
 
 @pytest.mark.slow
 def test_backward_forms_compile_for_sm90():
-    """Every head dim x mask x hooks form of sm_90 compiles within 255 registers and no more
-    spill than FlashBwdVariant.spill_bound bytes (a few loop-invariant values)."""
-    assert _within_bounds(_forms("sm_90"), "sm_90") == []
+    """Every head dim x mask x hooks form of sm_90, of both kernels, compiles within 255
+    registers and no more spill than the kernel's spill_bound bytes (a few loop-invariant
+    values)."""
+    assert _within_bounds(_forms("sm_90") + _sm90_forms(dtypes=("bf16", "f16")), "sm_90") == []
 
 
 def test_a_few_backward_forms_compile_for_sm90():
-    """The default tier's sample of the sweep above: the lightest form, the heaviest one-pass
-    form (hd128 window with both hooks) and the heaviest two-pass one (hd256)."""
-    forms = [tuning_bwd.flash_bwd_variant("bf16", 32, mask=MASK_NONE, arch="sm_90"),
-             tuning_bwd.flash_bwd_variant("bf16", 128, mask=MASK_WINDOW, arch="sm_90",
-                                          features=FEAT_SOFTCAP | FEAT_ALIBI),
-             tuning_bwd.flash_bwd_variant("f16", 256, mask=MASK_CAUSAL, arch="sm_90",
-                                          features=FEAT_SOFTCAP)]
+    """The default tier's sample of the sweep above: of mma.sync's kernel the lightest form,
+    the heaviest one-pass form (hd128 window with both hooks) and the heaviest two-pass one
+    (hd256); of the Hopper kernel the lightest and the heaviest."""
+    with tuning.override(flash_path="mma"):
+        forms = [tuning_bwd.flash_bwd_variant("bf16", 32, mask=MASK_NONE, arch="sm_90"),
+                 tuning_bwd.flash_bwd_variant("bf16", 128, mask=MASK_WINDOW, arch="sm_90",
+                                              features=FEAT_SOFTCAP | FEAT_ALIBI),
+                 tuning_bwd.flash_bwd_variant("f16", 256, mask=MASK_CAUSAL, arch="sm_90",
+                                              features=FEAT_SOFTCAP)]
+    # the Hopper kernel: its lightest and heaviest forms
+    forms += [tuning_bwd.flash_bwd_variant("bf16", 64, mask=MASK_NONE, arch="sm_90"),
+              tuning_bwd.flash_bwd_variant("f16", 128, mask=MASK_WINDOW, arch="sm_90",
+                                           features=FEAT_SOFTCAP | FEAT_ALIBI)]
+    assert all(isinstance(v, FlashBwdSm90Variant) for v in forms[-2:])
     assert _within_bounds(forms, "sm_90") == []
 
 
@@ -137,6 +188,37 @@ def test_backward_names_and_knobs():
     with tuning.override(flash_bwd_tiles=forced):
         v = tuning_bwd.flash_bwd_variant("bf16", 64, mask=MASK_NONE, arch="sm_90")
         assert (v.block_m, v.num_warps, v.q_chunk) == (32, 4, 32)
+
+
+def test_hopper_backward_names_knobs_and_path():
+    v = FlashBwdSm90Variant("bf16", 128, 64, 2, MASK_CAUSAL, FEAT_SOFTCAP)
+    assert v.name == "cuattn_flash_bwd_sm90__bf16_hd128_bm64_wg2_c1_cap"
+    assert v.block_n == 128 and v.num_threads == 256 and v.target_arch("sm_90") == "sm_90a"
+    assert v.runs_on("sm_90") and not v.runs_on("sm_80")
+    for bad in (dict(head_dim=96), dict(block_m=96), dict(num_wg=3, block_m=128),
+                dict(head_dim=64, block_m=64), dict(features=4)):
+        args = dict(dtype="bf16", head_dim=128, block_m=64, num_wg=2, mask=MASK_NONE,
+                    features=0) | bad
+        with pytest.raises(ValueError):
+            FlashBwdSm90Variant(**args)
+    # the path: the forward's rule, at the head dims of FLASH_BWD_SM90_DEFAULT
+    assert tuning_bwd.flash_bwd_path("sm_90", 128) == "wgmma"
+    assert tuning_bwd.flash_bwd_path("sm_90", 40) == "wgmma"      # compiled as 64
+    assert tuning_bwd.flash_bwd_path("sm_90", 32) == "mma"
+    assert tuning_bwd.flash_bwd_path("sm_90", 256) == "mma"
+    assert tuning_bwd.flash_bwd_path("sm_80", 128) == "mma"
+    v = tuning_bwd.flash_bwd_variant("bf16", 80, mask=MASK_NONE, arch="sm_90")
+    assert isinstance(v, FlashBwdSm90Variant) and v.head_dim == 128
+    with tuning.override(flash_path="wgmma"):
+        assert tuning_bwd.flash_bwd_path("sm_90", 256) == "wgmma"
+        assert tuning_bwd.flash_bwd_path("sm_90", 32) == "wgmma"
+    with tuning.override(flash_path="mma"):
+        assert tuning_bwd.flash_bwd_path("sm_90", 128) == "mma"
+    with tuning.override(flash_bwd_tiles=tuning_bwd.FlashBwdTiles(64, 8, 32)):
+        assert tuning_bwd.flash_bwd_path("sm_90", 128) == "mma"
+    with tuning.override(flash_bwd_sm90_tiles=tuning_bwd.FlashBwdSm90Tiles(128, 2)):
+        v = tuning_bwd.flash_bwd_variant("f16", 128, mask=MASK_NONE, arch="sm_90")
+        assert (v.block_m, v.num_wg) == (128, 2)
 
 
 def test_deterministic_slices_rule():
