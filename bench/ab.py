@@ -41,6 +41,7 @@ path differs from the old one's.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import os
@@ -444,8 +445,9 @@ def main(argv=None) -> int:
 
     t_start = time.perf_counter()
     trees = load_trees(args.old.resolve())
-    if args.flash_path:      # for the whole run (the process ends with it)
-        trees["new"].tuning.override(flash_path=args.flash_path).__enter__()
+    forced = contextlib.ExitStack()     # held for the whole run (the process ends with it)
+    if args.flash_path:
+        forced.enter_context(trees["new"].tuning.override(flash_path=args.flash_path))
     seconds = {"precompile": 0.0 if args.no_precompile else precompile(trees)}
     flush = L2Flush("clean")
     _warm_gpu()

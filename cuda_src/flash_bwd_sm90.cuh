@@ -109,33 +109,34 @@ struct BwdSm90Block : BwdWork<Tr> {
   __device__ __forceinline__ const float* rows_of(int st) const {   // lse2, then D
     return rows0 + st * 2 * BLOCK_M;
   }
+  // (threadIdx.x read anew: the copies' per-thread offsets are rebuilt per query tile, not
+  // held across the loop as invariants)
   __device__ __forceinline__ void load_stage(int it) const {
     const int st = it % Tr::STAGES;
-    this->load_step(it, s_q(st), s_do(st), s_ds + Tr::DS_BYTES + st * Tr::ROWS_BYTES, tid);
+    this->load_step(it, s_q(st), s_do(st), s_ds + Tr::DS_BYTES + st * Tr::ROWS_BYTES,
+                    thread_index_now());
   }
   // This thread's first key of the tile: its warp's 16 keys.
   __device__ __forceinline__ int key0() const { return this->n0 + wg * 64 + w4 * 16; }
 
-  // Descriptors (common/wgmma.cuh). K-major operands by k16 step ks of the head dim: this
-  // warpgroup's 64 rows of a [key][dim] tile (A of S^T, dP^T), a [query][dim] tile (B).
-  __device__ __forceinline__ u64 kv_rows_desc(u32 tile, int ks) const {
-    return sw128_desc(tile + wg * 64 * 128 + (ks / 4) * (BLOCK_N * 128) + (ks % 4) * 32);
+  // Descriptors (common/wgmma.cuh), each from a tile's address as this point of the program
+  // has it (value_now): built per query tile, not held across the loop (the descriptors of
+  // every k16 step of every tile, hoisted as loop invariants, spilled ~300 B at hd256).
+  // K-major operands by k16 step ks of the head dim: a tile of ROWS rows, its 64-column
+  // blocks ROWS x 128 bytes apart (this warpgroup's 64 rows of K or V as A: ROWS = BLOCK_N
+  // from row 64 wg; Q or dO as B: ROWS = BLOCK_M).
+  static __device__ __forceinline__ u64 desc_now(u32 addr, u32 lbo_bytes = 16) {
+    return sw128_desc(static_cast<u32>(value_now(static_cast<int>(addr))), lbo_bytes);
   }
-  static __device__ __forceinline__ u64 qo_desc(u32 tile, int ks) {
-    return sw128_desc(tile + (ks / 4) * (BLOCK_M * 128) + (ks % 4) * 32);
+  template <int ROWS>
+  static __device__ __forceinline__ u64 k_step(u64 desc, int ks) {
+    return desc_advance(desc, (ks / 4) * (ROWS * 128) + (ks % 4) * 32);
   }
-  // MN-major operands by k16 step kk of 16 rows: a [query][dim] tile as B of dV, dK (N the
-  // head dim); K as B of dQ from column c0 (N its dims); the dS^T tile as A of dQ, its 64
-  // queries from q0 (M).
-  static __device__ __forceinline__ u64 qo_mn_desc(u32 tile, int kk) {
-    return desc_advance(sw128_desc(tile, BLOCK_M * 128), kk * 16 * 128);
-  }
-  __device__ __forceinline__ u64 k_mn_desc(int c0, int kk) const {
-    return desc_advance(sw128_desc(s_k + (c0 / 64) * (BLOCK_N * 128), BLOCK_N * 128),
-                        kk * 16 * 128);
-  }
-  __device__ __forceinline__ u64 ds_desc(int q0, int kk) const {
-    return desc_advance(sw128_desc(s_ds + (q0 / 64) * (BLOCK_N * 128)), kk * 16 * 128);
+  // MN-major operands by k16 step kk of 16 rows (2048 bytes): Q or dO as B of dV, dK (N the
+  // head dim, 64-column blocks BLOCK_M x 128 bytes apart); K as B of dQ from column c0 (N its
+  // dims); the dS^T tile as A of dQ, its 64 queries from q0 (M).
+  static __device__ __forceinline__ u64 mn_step(u64 desc, int kk) {
+    return desc_advance(desc, kk * 16 * 128);
   }
 
   // One walk over the key tile's query tiles: dV += P^T dO into acc_v (kBwdDv), dK += dS^T Q
@@ -160,14 +161,18 @@ struct BwdSm90Block : BwdWork<Tr> {
       // S^T = K Q^T, and dP^T = V dO^T for dS
       float s[Tr::C_N_TILES][4], dp[Tr::C_N_TILES][4];
       wgmma_fence();
-#pragma unroll
-      for (int ks = 0; ks < Tr::K_STEPS; ++ks) {
-        Wgmma<T, BLOCK_M>::ss(s, kv_rows_desc(s_k, ks), qo_desc(s_q(st), ks), ks > 0);
-      }
-      if constexpr (DS) {
+      {
+        const u64 k = desc_now(s_k + wg * 64 * 128), q = desc_now(s_q(st));
 #pragma unroll
         for (int ks = 0; ks < Tr::K_STEPS; ++ks) {
-          Wgmma<T, BLOCK_M>::ss(dp, kv_rows_desc(s_v, ks), qo_desc(s_do(st), ks), ks > 0);
+          Wgmma<T, BLOCK_M>::ss(s, k_step<BLOCK_N>(k, ks), k_step<BLOCK_M>(q, ks), ks > 0);
+        }
+      }
+      if constexpr (DS) {
+        const u64 v = desc_now(s_v + wg * 64 * 128), d_o = desc_now(s_do(st));
+#pragma unroll
+        for (int ks = 0; ks < Tr::K_STEPS; ++ks) {
+          Wgmma<T, BLOCK_M>::ss(dp, k_step<BLOCK_N>(v, ks), k_step<BLOCK_M>(d_o, ks), ks > 0);
         }
       }
       wgmma_commit();
@@ -183,10 +188,13 @@ struct BwdSm90Block : BwdWork<Tr> {
       if constexpr (DV) pack_rows<T>(pa, s);
       if constexpr (DS) pack_rows<T>(dsa, dp);
       wgmma_fence();
+      {
+        const u64 d_o = desc_now(s_do(st), BLOCK_M * 128), q = desc_now(s_q(st), BLOCK_M * 128);
 #pragma unroll
-      for (int kk = 0; kk < Tr::C_K_STEPS; ++kk) {
-        if constexpr (DV) Wgmma<T, HD>::rs(acc_v, pa[kk], qo_mn_desc(s_do(st), kk), 1);
-        if constexpr (DK) Wgmma<T, HD>::rs(acc_k, dsa[kk], qo_mn_desc(s_q(st), kk), 1);
+        for (int kk = 0; kk < Tr::C_K_STEPS; ++kk) {
+          if constexpr (DV) Wgmma<T, HD>::rs(acc_v, pa[kk], mn_step(d_o, kk), 1);
+          if constexpr (DK) Wgmma<T, HD>::rs(acc_k, dsa[kk], mn_step(q, kk), 1);
+        }
       }
       wgmma_commit();
       if constexpr (DQ) {
@@ -228,10 +236,11 @@ struct BwdSm90Block : BwdWork<Tr> {
       const int c0 = grp * Tr::DQ_DIMS + part * Tr::DQ_N;
       float acc[Tr::DQ_N / 8][4];
       wgmma_fence();
+      const u64 ds = desc_now(s_ds + rt * (BLOCK_N * 128));
+      const u64 k = desc_now(s_k + (c0 / 64) * (BLOCK_N * 128), BLOCK_N * 128);
 #pragma unroll
       for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
-        Wgmma<T, Tr::DQ_N>::template ss<1, 1>(acc, ds_desc(rt * 64, kk), k_mn_desc(c0, kk),
-                                              kk > 0);
+        Wgmma<T, Tr::DQ_N>::template ss<1, 1>(acc, mn_step(ds, kk), mn_step(k, kk), kk > 0);
       }
       wgmma_commit();
       wgmma_wait<0>();

@@ -409,7 +409,7 @@ def run_varlen_case(rng, *, lens_q, lens_k, pad=(0, 0), h=6, hkv=2, d=64, dtype=
     host = [x.get() for x in (q, k, v, dout)]
     rk = dict(causal=causal, window=window, softcap=softcap,
               sinks=None if sink is None else sink.get())
-    dsinks_ref = np.zeros(h)
+    dsinks_ref, dsinks_lowp = np.zeros(h), np.zeros(h)
     for i in range(len(lens_q)):
         qs, ks = slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1])
         seq = (host[0][qs], host[1][ks], host[2][ks], host[3][qs])
@@ -420,10 +420,14 @@ def run_varlen_case(rng, *, lens_q, lens_k, pad=(0, 0), h=6, hkv=2, d=64, dtype=
             check_grads(got[rows], w, lp, dtype, f"{name} of sequence {i}")
         if sinks:
             dsinks_ref += want[3]
+            dsinks_lowp += lowp[3]
     if pad[0]:
         assert float(abs(grads[0][int(cu_q[-1]):].astype(np.float32)).max()) == 0.0
     if sinks:
-        assert np.allclose(res[3].get(), dsinks_ref, rtol=2e-2, atol=2e-2)
+        # the gradients' rule: dsinks sum P_sink D over every row, D from the kernel's out in
+        # the input dtype (an error the lowp reference models: with hooks at hd192 it reached
+        # 0.05 on both paths, beyond a fixed 2e-2)
+        check_grads(res[3], dsinks_ref, dsinks_lowp, dtype, "dsinks")
     return args, kw, res
 
 

@@ -28,7 +28,6 @@ from bwd_parts import timed  # noqa: E402
 BF16 = ml_dtypes.bfloat16
 CANDIDATES = {   # head dim -> FlashBwdSm90Tiles (block_m, num_wg); None: the mma.sync kernel
     64: [(128, 2), (64, 1), None],
-    128: [(64, 2), (64, 1), None],
     192: [(64, 1), None],
     256: [(64, 1), None],
 }
