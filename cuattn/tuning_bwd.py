@@ -94,7 +94,8 @@ FLASH_BWD_SM90_TILES = {
 
 # The compiled head dims the Hopper kernel runs by default; 192 and 256 only when forced by
 # override(flash_path="wgmma"): their two-pass forms are not yet timed against mma.sync's
-# (bench/lab/bwd_sm90_sweep.py; ptxas sm_90a: they spill 0-156 B, within the bound).
+# (bench/lab/bwd_sm90_sweep.py; ptxas sm_90a: they spill 0-164 B, the hd256 window forms
+# over the kernel's spill bound).
 FLASH_BWD_SM90_DEFAULT = (64, 128)
 
 

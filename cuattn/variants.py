@@ -345,6 +345,14 @@ class FlashCombineVariant(_CombineKey, Variant):
 
 # ---- flash backward (cuda_src/flash_bwd.cuh) ------------------------------------------------------
 
+def _bwd_smem_bytes(block_m: int, block_n: int, head_dim: int) -> int:
+    """Both backward main kernels' tiles: K and V + 2 stages x (Q tile, dO tile, lse2 and D
+    rows) + the dS^T tile, 2-byte elements (pinned to their Traits::SMEM_BYTES)."""
+    kv = 2 * 2 * block_n * head_dim
+    stage = 2 * 2 * block_m * head_dim + 2 * 4 * block_m
+    return kv + 2 * stage + 2 * block_n * block_m
+
+
 @dataclass(frozen=True)
 class FlashBwdVariant(Variant):
     """The backward's main kernel: one block per KV tile, 16 keys per warp (mma.sync)."""
@@ -403,11 +411,7 @@ class FlashBwdVariant(Variant):
 
     @property
     def dynamic_smem_bytes(self) -> int:
-        # K and V tiles + 2 stages x (Q tile, dO tile, lse2 and D rows) + the dS^T tile,
-        # 2-byte elements (pinned to Traits::SMEM_BYTES)
-        kv = 2 * 2 * self.block_n * self.head_dim
-        stage = 2 * 2 * self.block_m * self.head_dim + 2 * 4 * self.block_m
-        return kv + 2 * stage + 2 * self.block_n * self.block_m
+        return _bwd_smem_bytes(self.block_m, self.block_n, self.head_dim)
 
 
 @dataclass(frozen=True)
@@ -472,11 +476,8 @@ class FlashBwdSm90Variant(Variant):
 
     @property
     def dynamic_smem_bytes(self) -> int:
-        # 1024 B of alignment slack + K and V tiles + 2 stages x (Q tile, dO tile, lse2 and D
-        # rows) + the dS^T tile, 2-byte elements (pinned to Traits::SMEM_BYTES)
-        kv = 2 * 2 * self.block_n * self.head_dim
-        stage = 2 * 2 * self.block_m * self.head_dim + 2 * 4 * self.block_m
-        return 1024 + kv + 2 * stage + 2 * self.block_n * self.block_m
+        # + 1024 B of alignment slack (the 128-byte swizzle's period)
+        return 1024 + _bwd_smem_bytes(self.block_m, self.block_n, self.head_dim)
 
 
 @dataclass(frozen=True)

@@ -336,6 +336,21 @@ struct BwdWork {
     cp_async_commit();
   }
 
+  // A warp's dQ accumulators, rows r0 + g and r0 + g + 8 of head h, columns c0 + 8 nt + 2 t4
+  // (+ 1), added into the workspace; rows past sq and columns past head_dim left out.
+  template <int N_TILES>
+  __device__ __forceinline__ void add_dq_rows(const float (&acc)[N_TILES][4], int h, int r0,
+                                              int c0, int g, int t4) const {
+    float* rows = dq_accum + ((row_base + r0) * p.num_heads + h) * (long long)p.head_dim + c0 +
+                  2 * t4;
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int r = g + 8 * hr;
+      if (r0 + r >= sq) continue;
+      add_row<0>(rows + (long long)r * p.num_heads * p.head_dim, acc, hr, p.head_dim - c0);
+    }
+  }
+
   // The first dK / dV row of the sequence's keys (varlen: they start at cu_seqlens_k[b]).
   __device__ __forceinline__ T* grad_rows(void* grad, long long s_batch, long long s_row,
                                           long long s_head) const {
@@ -543,16 +558,7 @@ struct BwdBlock : BwdWork<Tr> {
         mma_m16n8k16<T>(acc[2 * dp + 1], af, bf[2], bf[3]);
       }
     }
-    const int r0 = m0 + dq_rt * 16;
-    float* rows = this->dq_accum + ((this->row_base + r0) * p.num_heads + h) * (long long)p.head_dim +
-                  dq_grp * Tr::DQ_DIMS + 2 * t4;
-#pragma unroll
-    for (int hr = 0; hr < 2; ++hr) {
-      const int r = g + 8 * hr;
-      if (r0 + r >= this->sq) continue;
-      add_row<0>(rows + (long long)r * p.num_heads * p.head_dim, acc, hr,
-                 p.head_dim - dq_grp * Tr::DQ_DIMS);
-    }
+    this->add_dq_rows(acc, h, m0 + dq_rt * 16, dq_grp * Tr::DQ_DIMS, g, t4);
   }
 };
 

@@ -245,14 +245,7 @@ struct BwdSm90Block : BwdWork<Tr> {
       wgmma_commit();
       wgmma_wait<0>();
       fence_regs(acc);
-      float* rows = this->dq_accum +
-                    ((this->row_base + r0) * p.num_heads + h) * (long long)p.head_dim + c0 + 2 * t4;
-#pragma unroll
-      for (int hr = 0; hr < 2; ++hr) {
-        const int r = g + 8 * hr;
-        if (r0 + r >= this->sq) continue;
-        add_row<0>(rows + (long long)r * p.num_heads * p.head_dim, acc, hr, p.head_dim - c0);
-      }
+      this->add_dq_rows(acc, h, r0, c0, g, t4);
     }
   }
 };
