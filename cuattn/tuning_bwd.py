@@ -79,11 +79,11 @@ class FlashBwdSm90Tiles:
     num_wg: int       # warpgroups of 64 keys: BLOCK_N = 64 x num_wg
 
 
-# First guesses (stage 1 of the kernel, bench/NOTES.md "Hopper backward"): FlashAttention-3's
-# tile shapes where 255 registers per thread hold them without a producer warpgroup (dK and
-# dV of 64 keys: HEAD_DIM / 2 accumulators each, S^T and dP^T BLOCK_M / 2 each); above head
-# dim 128 one warpgroup of 64 keys walks the query tiles twice (dV, then dK and dQ), in
-# 227 KB of shared memory.
+# FlashAttention-3's tile shapes where a consumer warpgroup's registers hold them (dK and dV
+# of 64 keys: HEAD_DIM / 2 accumulators each, S^T and dP^T BLOCK_M / 2 each); above head dim
+# 128 one consumer warpgroup of 64 keys walks the query tiles twice (dV, then dK and dQ), in
+# 227 KB of shared memory. At hd64 (128, 2) beat (64, 1) by 1.4-1.5x (bench/lab/
+# bwd_sm90_sweep.py, bench/NOTES.md "Hopper backward").
 FLASH_BWD_SM90_TILES = {
     64: FlashBwdSm90Tiles(128, 2),
     128: FlashBwdSm90Tiles(64, 2),
@@ -92,11 +92,9 @@ FLASH_BWD_SM90_TILES = {
 }
 
 
-# The compiled head dims the Hopper kernel runs by default; 192 and 256 only when forced by
-# override(flash_path="wgmma"): their two-pass forms are not yet timed against mma.sync's
-# (bench/lab/bwd_sm90_sweep.py; ptxas sm_90a: they spill 0-164 B, the hd256 window forms
-# over the kernel's spill bound).
-FLASH_BWD_SM90_DEFAULT = (64, 128)
+# The compiled head dims the Hopper kernel runs by default: all of them (the two-pass forms at
+# 192 and 256 beat mma.sync's too: bench/lab/bwd_sm90_sweep.py, bench/NOTES.md).
+FLASH_BWD_SM90_DEFAULT = (64, 128, 192, 256)
 
 
 def flash_bwd_path(arch: str, head_dim: int) -> str:

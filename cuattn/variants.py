@@ -345,12 +345,12 @@ class FlashCombineVariant(_CombineKey, Variant):
 
 # ---- flash backward (cuda_src/flash_bwd.cuh) ------------------------------------------------------
 
-def _bwd_smem_bytes(block_m: int, block_n: int, head_dim: int) -> int:
+def _bwd_smem_bytes(block_m: int, block_n: int, head_dim: int, ds_tiles: int = 1) -> int:
     """Both backward main kernels' tiles: K and V + 2 stages x (Q tile, dO tile, lse2 and D
-    rows) + the dS^T tile, 2-byte elements (pinned to their Traits::SMEM_BYTES)."""
+    rows) + ds_tiles dS^T tiles, 2-byte elements (pinned to their Traits::SMEM_BYTES)."""
     kv = 2 * 2 * block_n * head_dim
     stage = 2 * 2 * block_m * head_dim + 2 * 4 * block_m
-    return kv + 2 * stage + 2 * block_n * block_m
+    return kv + 2 * stage + ds_tiles * 2 * block_n * block_m
 
 
 @dataclass(frozen=True)
@@ -432,20 +432,21 @@ class FlashBwdSm90Variant(Variant):
     params: ClassVar[ParamsStruct] = FLASH_BWD_PARAMS
     smem_from_traits: ClassVar[bool] = True
     # Spill stores (bytes) its default forms may show (tests/compiled.py unclean): dK, dV,
-    # S^T and dP^T of a warpgroup's 64 keys fill 255 registers, and ptxas spills a few
-    # loop-invariant values, up to 92 B at hd 64 and 128 (bench/NOTES.md "Hopper backward").
+    # S^T and dP^T of a warpgroup's 64 keys fill a consumer's 232 registers, and ptxas spills
+    # a few values in some hd64 / hd128 forms (bench/NOTES.md "Hopper backward").
     spill_bound: ClassVar[int] = 160
 
     def __post_init__(self):
         row_tiles = self.block_m // 64
         if self.mask not in _MASK_NAMES or self.features & ~(FEAT_SOFTCAP | FEAT_ALIBI) or \
                 self.head_dim % 64 or self.head_dim > 256 or self.block_m % 64 or \
-                not 0 < row_tiles <= self.num_wg or self.num_wg % row_tiles or \
+                not 0 < row_tiles <= self.num_wg <= 2 or self.num_wg % row_tiles or \
                 (self.head_dim // (self.num_wg // row_tiles)) % 64:
             raise ValueError(f"FlashBwdSm90Variant: mask 0 to 2 (got {self.mask}), features "
                              f"softcap / alibi (got {self.features}), head_dim a multiple of 64 "
                              f"up to 256 (got {self.head_dim}), block_m a multiple of 64 whose "
-                             f"64-row tiles divide num_wg into groups of whole 64-column blocks "
+                             f"64-row tiles divide num_wg (1 or 2) into groups of whole "
+                             f"64-column blocks "
                              f"(got {self.block_m}, {self.num_wg})")
 
     def name_parts(self):
@@ -468,16 +469,17 @@ class FlashBwdSm90Variant(Variant):
 
     @property
     def num_threads(self) -> int:
-        return 128 * self.num_wg
+        return 128 * (self.num_wg + 1)   # the consumers and one producer warpgroup
 
     @property
     def min_blocks(self) -> int | None:
-        return 1      # up to 255 registers: dK and dV of a warpgroup's keys live in registers
+        return 1      # a register cap at entry (setmaxnreg needs it): the consumers' dK and dV
 
     @property
     def dynamic_smem_bytes(self) -> int:
         # + 1024 B of alignment slack (the 128-byte swizzle's period)
-        return 1024 + _bwd_smem_bytes(self.block_m, self.block_n, self.head_dim)
+        # (1024 bytes of alignment slack; two dS^T tiles; the ring's 6 mbarriers)
+        return 1024 + _bwd_smem_bytes(self.block_m, self.block_n, self.head_dim, 2) + 6 * 8
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,7 @@ struct FlashBwdTraits : FlashFeatures<FEATURES_> {
   static constexpr int NUM_WARPS = NUM_WARPS_;
   static constexpr int Q_CHUNK = Q_CHUNK_;
   static constexpr int THREADS = NUM_WARPS * 32;
+  static constexpr int LOAD_THREADS = THREADS;         // every thread loads (load_tile)
   static constexpr int BLOCK_N = 16 * NUM_WARPS;
   static constexpr int D_CHUNKS = HEAD_DIM / 8;        // 16-byte chunks of a Q / K / V row
   static constexpr int M_CHUNKS = BLOCK_M / 8;         // of a dS^T row (8 queries)
@@ -80,11 +81,12 @@ struct FlashBwdTraits : FlashFeatures<FEATURES_> {
 // head_dim zero-filled.
 // Where the block's threads cover whole rows, each copies one fixed column chunk of every
 // ROWS_PER_PASS-th row: one source pointer stepped by a stride (few registers live across the
-// key loop); otherwise chunk c of the tile goes to thread c % THREADS.
+// key loop); otherwise chunk c of the tile goes to thread c % THREADS (Tr::LOAD_THREADS
+// threads, tid 0 ..).
 template <typename Tr, int ROWS>
 __device__ __forceinline__ void load_tile(u32 dst, const typename Tr::T* src, long long row_stride,
                                           int valid_rows, int head_dim_chunks, int tid) {
-  constexpr int D_CHUNKS = Tr::D_CHUNKS, THREADS = Tr::THREADS;
+  constexpr int D_CHUNKS = Tr::D_CHUNKS, THREADS = Tr::LOAD_THREADS;
   if constexpr (THREADS % D_CHUNKS == 0 && ROWS % (THREADS / D_CHUNKS) == 0) {
     constexpr int ROWS_PER_PASS = THREADS / D_CHUNKS;
     const int r0 = tid / D_CHUNKS, ch = tid % D_CHUNKS;
@@ -226,7 +228,7 @@ __device__ __forceinline__ void store_key_rows(const float (&acc)[Tr::D_N_TILES]
 // What every form of the main kernel's block knows (this one's and flash_bwd_sm90.cuh's): its
 // (batch entry, KV head), its sequence's pointers, and the key tile it is on (start_tile):
 // the query tiles that see it, walked over every query head of the KV head (step it: head
-// head_of(it), first row m0_of(it)), and their loads (Tr::THREADS threads, load_tile's
+// head_of(it), first row m0_of(it)), and their loads (Tr::LOAD_THREADS threads, load_tile's
 // layout: Tr::tile_offset).
 template <typename Tr>
 struct BwdWork {
@@ -308,7 +310,7 @@ struct BwdWork {
     const long long row0 = h * (long long)p.total_q + row_base + m0;
     const float* lse2 = static_cast<const float*>(p.lse2);
     const float* dsum = static_cast<const float*>(p.dsum);
-    for (int c = tid; c < 2 * BLOCK_M; c += Tr::THREADS) {
+    for (int c = tid; c < 2 * BLOCK_M; c += Tr::LOAD_THREADS) {
       const int r = c % BLOCK_M;
       const bool ok = m0 + r < sq;
       cp_async_4(s_rows + c * 4, ok ? (c < BLOCK_M ? lse2 : dsum) + row0 + r : lse2, ok ? 4 : 0);

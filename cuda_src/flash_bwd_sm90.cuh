@@ -9,10 +9,11 @@
 //   dV += P^T dO, dK += dS^T Q      (A: P^T / dS^T from registers, B: dO / Q MN-major),
 //   dQ = dS K                       (A: the dS^T tile in shared memory, MN-major; B: K,
 //                                    MN-major), each warpgroup a 64-row x DQ_DIMS part.
-// Stage 1 of the Hopper backward: every thread loads (cp.async, two stages of Q, dO, lse2 and
-// D) and computes; no producer warpgroup yet. cp.async writes through the generic proxy and
-// wgmma reads through the async proxy, so each thread fences (fence.proxy.async) after its
-// copies land and before the barrier that publishes them, as it does after storing dS^T.
+// Warp-specialized: a producer warpgroup (few registers: setmaxnreg) loads the key tile's K and
+// V and, per query tile, Q, dO, lse2 and D into a ring of STAGES stages by cp.async, each
+// guarded by a full and an empty mbarrier; the consumer warpgroups compute. cp.async writes
+// through the generic proxy and wgmma reads through the async proxy, so a consumer fences
+// (fence.proxy.async) after each full barrier it waits on, and after storing dS^T.
 #pragma once
 #include "flash_bwd.cuh"
 #include "common/wgmma.cuh"
@@ -22,7 +23,8 @@ namespace cuattn {
 // Every knob of one Hopper backward kernel (cuattn.variants.FlashBwdSm90Variant, chosen by
 // cuattn/tuning_bwd.py) and every constant derived from them.
 //   BLOCK_M  query rows per tile: the N of S^T and dP^T, the K of dV and dK (a multiple of 64).
-//   NUM_WG   consumer warpgroups, 64 keys each: BLOCK_N = 64 NUM_WG.
+//   NUM_WG   consumer warpgroups, 64 keys each: BLOCK_N = 64 NUM_WG (and one producer
+//            warpgroup: THREADS = 128 (1 + NUM_WG)).
 //   MASK, FEATURES  as flash_bwd.cuh's.
 // dQ = dS K: the warpgroups tile BLOCK_M x HEAD_DIM as DQ_ROW_TILES row tiles of 64 x
 // DQ_GROUPS column groups of DQ_DIMS (whole 64-column blocks of K), each computed in
@@ -37,7 +39,18 @@ struct FlashBwdSm90Traits : FlashFeatures<FEATURES_> {
   static constexpr int BLOCK_M = BLOCK_M_;
   static constexpr int NUM_WG = NUM_WG_;
   static constexpr int BLOCK_N = 64 * NUM_WG;
-  static constexpr int THREADS = 128 * NUM_WG;
+  static constexpr int PRODUCER_THREADS = 128;
+  static constexpr int CONSUMER_THREADS = 128 * NUM_WG;
+  static constexpr int THREADS = PRODUCER_THREADS + CONSUMER_THREADS;
+  static constexpr int LOAD_THREADS = PRODUCER_THREADS;   // load_tile's threads
+  // setmaxnreg: the block launches with LAUNCH_REGS a thread (65536 / THREADS in units of 8,
+  // at most 255: min_blocks 1); with two consumer warpgroups the producer gives up registers
+  // for them (the release covers the gain, else setmaxnreg.inc waits forever); with one,
+  // everyone has 255 already.
+  static constexpr int LAUNCH_REGS = 65536 / THREADS / 8 * 8 > 255 ? 255 : 65536 / THREADS / 8 * 8;
+  static constexpr int PRODUCER_REGS = 40;
+  static constexpr int CONSUMER_REGS = 232;
+  static constexpr bool SET_REGS = NUM_WG == 2;
   static constexpr int D_CHUNKS = HEAD_DIM / 8;       // 16-byte chunks of a Q / K / V row
   static constexpr int K_STEPS = HEAD_DIM / 16;       // k16 steps of S^T, dP^T
   static constexpr int C_N_TILES = BLOCK_M / 8;       // n8 tiles of S^T (queries)
@@ -49,17 +62,20 @@ struct FlashBwdSm90Traits : FlashFeatures<FEATURES_> {
   static constexpr int DQ_N = DQ_DIMS <= 128 ? DQ_DIMS : DQ_DIMS % 128 == 0 ? 128 : 64;
   static constexpr int DQ_PARTS = DQ_DIMS / DQ_N;
   static constexpr int PASSES = HEAD_DIM > 128 ? 2 : 1;
-  static constexpr int STAGES = 2;                    // Q, dO, lse2, D of the next query tile
+  static constexpr int STAGES = 2;                    // Q, dO, lse2, D of a query tile
 
   // Shared memory from a 1024-byte-aligned base (1024 bytes of slack): the K and V tiles, the
-  // stages' Q and dO tiles, the dS^T tile (all 128-byte swizzled: common/wgmma.cuh), then
-  // each stage's lse2 and D rows.
+  // stages' Q and dO tiles, two dS^T tiles (all 128-byte swizzled: common/wgmma.cuh), each
+  // stage's lse2 and D rows, then the mbarriers (full and empty per stage, then K / V full and
+  // empty).
   static constexpr int KV_TILE_BYTES = BLOCK_N * HEAD_DIM * 2;
   static constexpr int QO_TILE_BYTES = BLOCK_M * HEAD_DIM * 2;
   static constexpr int DS_BYTES = BLOCK_N * BLOCK_M * 2;
   static constexpr int ROWS_BYTES = 2 * BLOCK_M * 4;
-  static constexpr int SMEM_BYTES =
-      1024 + 2 * KV_TILE_BYTES + STAGES * (2 * QO_TILE_BYTES + ROWS_BYTES) + DS_BYTES;
+  static constexpr int BARRIERS = 2 * STAGES + 2;
+  static constexpr int SMEM_BYTES = 1024 + 2 * KV_TILE_BYTES +
+                                    STAGES * (2 * QO_TILE_BYTES + ROWS_BYTES) + 2 * DS_BYTES +
+                                    8 * BARRIERS;
   // load_tile's layout: 64-column blocks of ROWS rows x 128 bytes, 128-byte swizzle.
   template <int ROWS>
   static __device__ __forceinline__ u32 tile_offset(int r, int ch) {
@@ -72,49 +88,96 @@ struct FlashBwdSm90Traits : FlashFeatures<FEATURES_> {
   static_assert(BLOCK_M % 64 == 0 && BLOCK_M <= 256, "BLOCK_M: 64-row dQ tiles, wgmma N");
   static_assert(NUM_WG % DQ_ROW_TILES == 0 && DQ_DIMS % 64 == 0,
                 "dQ: each warpgroup a row tile and whole 64-column blocks");
+  static_assert(NUM_WG <= 2, "one or two consumer warpgroups");
+  static_assert(!SET_REGS || PRODUCER_THREADS * (LAUNCH_REGS - PRODUCER_REGS) >=
+                                 CONSUMER_THREADS * (CONSUMER_REGS - LAUNCH_REGS),
+                "register split: setmaxnreg.inc would wait for registers no one frees");
   static_assert(FEATURES_ >= 0 && FEATURES_ < 8, "softcap, ALiBi, sinks");
 };
 
-// One block: BwdWork (flash_bwd.cuh), its shared memory and this thread's place: warpgroup
-// wg (keys 64 wg .. of the tile), warp w4 in it (16 of those keys), g and t4 in the warp.
+// The shared memory of one block (the traits' layout) from its 1024-byte-aligned base.
+template <typename Tr>
+struct BwdSm90Smem {
+  u32 base;
+  __device__ __forceinline__ u32 k() const { return base; }
+  __device__ __forceinline__ u32 v() const { return base + Tr::KV_TILE_BYTES; }
+  __device__ __forceinline__ u32 q(int st) const {
+    return base + 2 * Tr::KV_TILE_BYTES + st * 2 * Tr::QO_TILE_BYTES;
+  }
+  __device__ __forceinline__ u32 d_o(int st) const { return q(st) + Tr::QO_TILE_BYTES; }
+  __device__ __forceinline__ u32 ds(int buf) const { return q(Tr::STAGES) + buf * Tr::DS_BYTES; }
+  __device__ __forceinline__ u32 rows(int st) const { return ds(2) + st * Tr::ROWS_BYTES; }
+  __device__ __forceinline__ u32 full(int st) const { return rows(Tr::STAGES) + st * 8; }
+  __device__ __forceinline__ u32 empty(int st) const { return full(Tr::STAGES) + st * 8; }
+  __device__ __forceinline__ u32 kv_full() const { return empty(Tr::STAGES); }
+  __device__ __forceinline__ u32 kv_empty() const { return kv_full() + 8; }
+};
+
+// The ring: the producer and the consumers count the query steps of every pass of every key
+// tile of the block alike; step s uses stage s % STAGES, in phase (s / STAGES) % 2.
+template <typename Tr>
+__device__ __forceinline__ int ring_stage(int step) { return step % Tr::STAGES; }
+template <typename Tr>
+__device__ __forceinline__ int ring_phase(int step) { return (step / Tr::STAGES) & 1; }
+
+// The producer warpgroup (threads 0 .. 127), in bwd_key_tiles' order: per key tile, once the
+// consumers are done with the last one (kv_empty), its K and V tiles (kv_full); then per pass
+// and query step, once the consumers freed the stage (empty), the step's Q, dO, lse2 and D
+// (full). Each thread arrives on a full barrier when its copies for it have landed. (Its
+// index read anew per copy: the copies' offsets, held across the loop, spilled 40 registers.)
+template <typename Tr>
+__device__ __forceinline__ void bwd_sm90_produce(const FlashBwdParams& p, BwdSm90Smem<Tr> sm) {
+  BwdWork<Tr> w(p);
+  int step = 0, tile = 0;
+  for (int n = blockIdx.x; n * Tr::BLOCK_N < w.sk; n += gridDim.x, ++tile) {
+    w.start_tile(n);
+    mbar_wait(sm.kv_empty(), (tile & 1) ^ 1);
+    w.load_kv(sm.k(), sm.v(), thread_index_now());
+    cp_async_mbar_arrive(sm.kv_full());
+#pragma unroll 1
+    for (int pass = 0; pass < Tr::PASSES; ++pass) {
+#pragma unroll 1
+      for (int it = 0; it < w.n_iter; ++it, ++step) {
+        const int st = ring_stage<Tr>(step);
+        mbar_wait(sm.empty(st), ring_phase<Tr>(step) ^ 1);
+        w.load_step(it, sm.q(st), sm.d_o(st), sm.rows(st), thread_index_now());
+        cp_async_mbar_arrive(sm.full(st));
+      }
+    }
+  }
+  cp_async_wait<0>();   // nothing may still be writing shared memory when the block exits
+}
+
+// One consumer block: BwdWork (flash_bwd.cuh), its shared memory and this thread's place:
+// consumer warpgroup wg (keys 64 wg .. of the tile), warp w4 in it (16 of those keys), g and
+// t4 in the warp; and where it is in the ring (step) and in its key tiles (tile).
 template <typename Tr>
 struct BwdSm90Block : BwdWork<Tr> {
   using T = typename Tr::T;
   using Work = BwdWork<Tr>;
   static constexpr int BLOCK_M = Tr::BLOCK_M, BLOCK_N = Tr::BLOCK_N, HD = Tr::HEAD_DIM;
+  static constexpr int DS_BARRIER = 1;   // named barrier of the consumers: dS^T stored
   using Work::p;
 
-  u32 s_k, s_v, s_ds, s_stage0;   // shared: K, V, dS^T tiles; stage 0's Q tile
+  BwdSm90Smem<Tr> sm;
   const float* rows0;             // stage 0's lse2 and D rows
-  int tid, wg, w4, g, t4;
+  int wg, w4, g, t4;
+  int step = 0, tile = 0;
 
-  __device__ __forceinline__ BwdSm90Block(const FlashBwdParams& params, unsigned char* smem)
-      : Work(params) {
-    const u32 base = (smem_addr(smem) + 1023u) & ~1023u;
-    s_k = base;
-    s_v = s_k + Tr::KV_TILE_BYTES;
-    s_stage0 = s_v + Tr::KV_TILE_BYTES;
-    s_ds = s_stage0 + Tr::STAGES * 2 * Tr::QO_TILE_BYTES;
-    rows0 = reinterpret_cast<const float*>(smem + (s_ds + Tr::DS_BYTES - smem_addr(smem)));
-    tid = threadIdx.x;
+  __device__ __forceinline__ BwdSm90Block(const FlashBwdParams& params, unsigned char* smem,
+                                          BwdSm90Smem<Tr> smem_layout)
+      : Work(params), sm(smem_layout) {
+    rows0 = reinterpret_cast<const float*>(smem + (sm.rows(0) - smem_addr(smem)));
+    const int ctid = threadIdx.x - Tr::PRODUCER_THREADS;
     // (broadcast from lane 0: warp-uniform, so descriptors derived from it stay uniform)
-    wg = __shfl_sync(0xffffffffu, tid / 128, 0);
-    w4 = __shfl_sync(0xffffffffu, (tid / 32) % 4, 0);
-    g = (tid % 32) / 4;
-    t4 = tid % 4;
+    wg = __shfl_sync(0xffffffffu, ctid / 128, 0);
+    w4 = __shfl_sync(0xffffffffu, (ctid / 32) % 4, 0);
+    g = (ctid % 32) / 4;
+    t4 = ctid % 4;
   }
 
-  __device__ __forceinline__ u32 s_q(int st) const { return s_stage0 + st * 2 * Tr::QO_TILE_BYTES; }
-  __device__ __forceinline__ u32 s_do(int st) const { return s_q(st) + Tr::QO_TILE_BYTES; }
   __device__ __forceinline__ const float* rows_of(int st) const {   // lse2, then D
-    return rows0 + st * 2 * BLOCK_M;
-  }
-  // (threadIdx.x read anew: the copies' per-thread offsets are rebuilt per query tile, not
-  // held across the loop as invariants)
-  __device__ __forceinline__ void load_stage(int it) const {
-    const int st = it % Tr::STAGES;
-    this->load_step(it, s_q(st), s_do(st), s_ds + Tr::DS_BYTES + st * Tr::ROWS_BYTES,
-                    thread_index_now());
+    return rows0 + st * (Tr::ROWS_BYTES / 4);
   }
   // This thread's first key of the tile: its warp's 16 keys.
   __device__ __forceinline__ int key0() const { return this->n0 + wg * 64 + w4 * 16; }
@@ -140,36 +203,37 @@ struct BwdSm90Block : BwdWork<Tr> {
   }
 
   // One walk over the key tile's query tiles: dV += P^T dO into acc_v (kBwdDv), dK += dS^T Q
-  // into acc_k (kBwdDk), dQ += dS K into the workspace (kBwdDq).
+  // into acc_k (kBwdDk), dQ += dS K into the workspace (kBwdDq). The tile's first pass waits
+  // for its K and V; its last (the one with dK) hands them back to the producer.
   template <int WHAT>
   __device__ __forceinline__ void pass(float (&acc_v)[Tr::D_N_TILES][4],
-                                       float (&acc_k)[Tr::D_N_TILES][4]) const {
+                                       float (&acc_k)[Tr::D_N_TILES][4]) {
     constexpr bool DV = WHAT & kBwdDv, DK = WHAT & kBwdDk, DQ = WHAT & kBwdDq, DS = DK || DQ;
-    this->template begin_pass<WHAT>(acc_v, acc_k, s_k, s_v, tid,
-                                    [&](int it) { load_stage(it); });
+    if constexpr (DV || Tr::PASSES == 1) {
+      mbar_wait(sm.kv_full(), tile & 1);
+      fence_proxy_async();   // the producer's copies, read next by wgmma (the async proxy)
+    }
     const int n_iter = this->n_iter;
+    int step = this->step;   // (a local: a member advanced in the loop stays in memory)
 
 #pragma unroll 1
-    for (int it = 0; it < n_iter; ++it) {
-      const int h = this->head_of(it), m0 = this->m0_of(it), st = it % Tr::STAGES;
-      cp_async_wait<0>();
-      fence_proxy_async();   // this thread's copies, read next by wgmma (the async proxy)
-      __syncthreads();       // step it's stage has landed everywhere; the other one is free
-      if (it + 1 < n_iter) load_stage(it + 1);
-      cp_async_commit();
+    for (int it = 0; it < n_iter; ++it, ++step) {
+      const int h = this->head_of(it), m0 = this->m0_of(it), st = ring_stage<Tr>(step);
+      mbar_wait(sm.full(st), ring_phase<Tr>(step));
+      fence_proxy_async();
 
       // S^T = K Q^T, and dP^T = V dO^T for dS
       float s[Tr::C_N_TILES][4], dp[Tr::C_N_TILES][4];
       wgmma_fence();
       {
-        const u64 k = desc_now(s_k + wg * 64 * 128), q = desc_now(s_q(st));
+        const u64 k = desc_now(sm.k() + wg * 64 * 128), q = desc_now(sm.q(st));
 #pragma unroll
         for (int ks = 0; ks < Tr::K_STEPS; ++ks) {
           Wgmma<T, BLOCK_M>::ss(s, k_step<BLOCK_N>(k, ks), k_step<BLOCK_M>(q, ks), ks > 0);
         }
       }
       if constexpr (DS) {
-        const u64 v = desc_now(s_v + wg * 64 * 128), d_o = desc_now(s_do(st));
+        const u64 v = desc_now(sm.v() + wg * 64 * 128), d_o = desc_now(sm.d_o(st));
 #pragma unroll
         for (int ks = 0; ks < Tr::K_STEPS; ++ks) {
           Wgmma<T, BLOCK_M>::ss(dp, k_step<BLOCK_N>(v, ks), k_step<BLOCK_M>(d_o, ks), ks > 0);
@@ -189,46 +253,64 @@ struct BwdSm90Block : BwdWork<Tr> {
       if constexpr (DS) pack_rows<T>(dsa, dp);
       wgmma_fence();
       {
-        const u64 d_o = desc_now(s_do(st), BLOCK_M * 128), q = desc_now(s_q(st), BLOCK_M * 128);
+        const u64 d_o = desc_now(sm.d_o(st), BLOCK_M * 128);
+        const u64 q = desc_now(sm.q(st), BLOCK_M * 128);
 #pragma unroll
         for (int kk = 0; kk < Tr::C_K_STEPS; ++kk) {
-          if constexpr (DV) Wgmma<T, HD>::rs(acc_v, pa[kk], mn_step(d_o, kk), 1);
-          if constexpr (DK) Wgmma<T, HD>::rs(acc_k, dsa[kk], mn_step(q, kk), 1);
+          if constexpr (DV) Wgmma<T, HD>::rs(acc_v, pa[kk], mn_step(d_o, kk), it > 0 || kk > 0);
+          if constexpr (DK) Wgmma<T, HD>::rs(acc_k, dsa[kk], mn_step(q, kk), it > 0 || kk > 0);
         }
       }
       wgmma_commit();
+      // dS^T into buffer step % 2: the consumers' barrier of the last step came after every
+      // warpgroup's dQ GEMM of the step before (which read this buffer) had landed.
       if constexpr (DQ) {
-        store_ds(dsa);
+        store_ds(dsa, step & 1);
         fence_proxy_async();   // dS^T, read next by wgmma
-        __syncthreads();       // the whole dS^T tile
+        named_barrier_sync(DS_BARRIER, Tr::CONSUMER_THREADS);   // the whole dS^T tile
       }
       // (dQ's accumulators only once dV and dK have landed: the registers of P^T and dS^T
       // are free then)
       wgmma_wait<0>();
       if constexpr (DV) fence_regs(acc_v);
       if constexpr (DK) fence_regs(acc_k);
-      if constexpr (DQ) add_dq(h, m0);
+      mbar_arrive(sm.empty(st));   // this stage's Q, dO, lse2 and D are read
+      if constexpr (DQ) add_dq(h, m0, step & 1);
     }
-    cp_async_wait<0>();
+    this->step = step;
+    if (n_iter == 0) {   // (else the first step's GEMMs zeroed them: scale-d 0)
+#pragma unroll
+      for (int nt = 0; nt < Tr::D_N_TILES; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          if (DV) acc_v[nt][e] = 0.f;
+          if (DK) acc_k[nt][e] = 0.f;
+        }
+      }
+    }
+    if constexpr (DK) {   // the tile's last pass: every GEMM on its K and V has landed
+      mbar_arrive(sm.kv_empty());
+      ++tile;
+    }
   }
 
-  // This warp's dS^T rows into the [key][query] tile (64-query column blocks, 128-byte
+  // This warp's dS^T rows into [key][query] tile buf (64-query column blocks, 128-byte
   // swizzle): a[kk][r] holds (key g + 8 (r % 2), queries 16 kk + 8 (r / 2) + 2 t4, + 1).
-  __device__ __forceinline__ void store_ds(const u32 (&a)[Tr::C_K_STEPS][4]) const {
+  __device__ __forceinline__ void store_ds(const u32 (&a)[Tr::C_K_STEPS][4], int buf) const {
 #pragma unroll
     for (int kk = 0; kk < Tr::C_K_STEPS; ++kk) {
 #pragma unroll
       for (int r = 0; r < 4; ++r) {
         const int row = wg * 64 + w4 * 16 + g + 8 * (r % 2);
-        const u32 addr = s_ds + sw128_offset<BLOCK_N>(row, 2 * kk + r / 2) + t4 * 4;
+        const u32 addr = sm.ds(buf) + sw128_offset<BLOCK_N>(row, 2 * kk + r / 2) + t4 * 4;
         asm volatile("st.shared.u32 [%0], %1;\n" :: "r"(addr), "r"(a[kk][r]) : "memory");
       }
     }
   }
 
-  // dQ of this warpgroup's row tile and column group, dS K over the key tile, added into the
-  // workspace rows of head h (query tile m0).
-  __device__ __forceinline__ void add_dq(int h, int m0) const {
+  // dQ of this warpgroup's row tile and column group, dS K over the key tile (dS^T tile
+  // buf), added into the workspace rows of head h (query tile m0).
+  __device__ __forceinline__ void add_dq(int h, int m0, int buf) const {
     const int rt = wg % Tr::DQ_ROW_TILES, grp = wg / Tr::DQ_ROW_TILES;
     const int r0 = m0 + rt * 64 + w4 * 16;   // this warp's first row
 #pragma unroll
@@ -236,8 +318,8 @@ struct BwdSm90Block : BwdWork<Tr> {
       const int c0 = grp * Tr::DQ_DIMS + part * Tr::DQ_N;
       float acc[Tr::DQ_N / 8][4];
       wgmma_fence();
-      const u64 ds = desc_now(s_ds + rt * (BLOCK_N * 128));
-      const u64 k = desc_now(s_k + (c0 / 64) * (BLOCK_N * 128), BLOCK_N * 128);
+      const u64 ds = desc_now(sm.ds(buf) + rt * (BLOCK_N * 128));
+      const u64 k = desc_now(sm.k() + (c0 / 64) * (BLOCK_N * 128), BLOCK_N * 128);
 #pragma unroll
       for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
         Wgmma<T, Tr::DQ_N>::template ss<1, 1>(acc, mn_step(ds, kk), mn_step(k, kk), kk > 0);
@@ -253,12 +335,30 @@ struct BwdSm90Block : BwdWork<Tr> {
 // Grid: (ceil(max_seqlen_k / BLOCK_N), num_heads_kv, batch), or deterministically (dq_slices,
 // num_heads_kv, batch); block: (THREADS), dynamic shared memory: Tr::SMEM_BYTES. What
 // flash_bwd_kernel computes, in the same order (key tiles x, x + gridDim.x, ... of KV head y,
-// batch z), with its GEMMs on wgmma: each warpgroup's 64 keys of dK (times the softmax
-// scale) and dV are written once per tile.
+// batch z), with its GEMMs on wgmma: warpgroup 0 loads (bwd_sm90_produce), each consumer
+// warpgroup's 64 keys of dK (times the softmax scale) and dV are written once per tile.
 template <typename Tr>
 __device__ void flash_bwd_sm90_kernel(const FlashBwdParams& p) {
   extern __shared__ __align__(1024) unsigned char smem[];
-  BwdSm90Block<Tr> blk(p, smem);
+  const BwdSm90Smem<Tr> sm{(smem_addr(smem) + 1023u) & ~1023u};
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int st = 0; st < Tr::STAGES; ++st) {
+      mbar_init(sm.full(st), Tr::PRODUCER_THREADS);
+      mbar_init(sm.empty(st), Tr::CONSUMER_THREADS);
+    }
+    mbar_init(sm.kv_full(), Tr::PRODUCER_THREADS);
+    mbar_init(sm.kv_empty(), Tr::CONSUMER_THREADS);
+    fence_mbar_init();
+  }
+  __syncthreads();
+  if (threadIdx.x < Tr::PRODUCER_THREADS) {
+    if constexpr (Tr::SET_REGS) setmaxnreg_dec<Tr::PRODUCER_REGS>();
+    bwd_sm90_produce<Tr>(p, sm);
+    return;
+  }
+  if constexpr (Tr::SET_REGS) setmaxnreg_inc<Tr::CONSUMER_REGS>();
+  BwdSm90Block<Tr> blk(p, smem, sm);
   bwd_key_tiles<Tr>(p, blk);
 }
 

@@ -113,8 +113,7 @@ def _forms(arch):
                 for f in (0, FEAT_SOFTCAP | FEAT_ALIBI) for dt in ("bf16",)]
 
 
-# The Hopper kernel's head dims that tuning_bwd.flash_bwd_path picks it for (192 and 256 run
-# there only when forced: see FLASH_BWD_SM90_DEFAULT).
+# The Hopper kernel's head dims that tuning_bwd.flash_bwd_path picks it for.
 _SM90_HEAD_DIMS = tuning_bwd.FLASH_BWD_SM90_DEFAULT
 
 
@@ -193,7 +192,7 @@ def test_backward_names_and_knobs():
 def test_hopper_backward_names_knobs_and_path():
     v = FlashBwdSm90Variant("bf16", 128, 64, 2, MASK_CAUSAL, FEAT_SOFTCAP)
     assert v.name == "cuattn_flash_bwd_sm90__bf16_hd128_bm64_wg2_c1_cap"
-    assert v.block_n == 128 and v.num_threads == 256 and v.target_arch("sm_90") == "sm_90a"
+    assert v.block_n == 128 and v.num_threads == 384 and v.target_arch("sm_90") == "sm_90a"
     assert v.runs_on("sm_90") and not v.runs_on("sm_80")
     for bad in (dict(head_dim=96), dict(block_m=96), dict(num_wg=3, block_m=128),
                 dict(head_dim=64, block_m=64), dict(features=4)):
@@ -205,7 +204,8 @@ def test_hopper_backward_names_knobs_and_path():
     assert tuning_bwd.flash_bwd_path("sm_90", 128) == "wgmma"
     assert tuning_bwd.flash_bwd_path("sm_90", 40) == "wgmma"      # compiled as 64
     assert tuning_bwd.flash_bwd_path("sm_90", 32) == "mma"
-    assert tuning_bwd.flash_bwd_path("sm_90", 256) == "mma"
+    assert tuning_bwd.flash_bwd_path("sm_90", 256) == "wgmma"
+    assert tuning_bwd.flash_bwd_path("sm_90", 160) == "wgmma"     # compiled as 192
     assert tuning_bwd.flash_bwd_path("sm_80", 128) == "mma"
     v = tuning_bwd.flash_bwd_variant("bf16", 80, mask=MASK_NONE, arch="sm_90")
     assert isinstance(v, FlashBwdSm90Variant) and v.head_dim == 128
