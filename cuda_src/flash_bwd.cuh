@@ -93,7 +93,9 @@ __device__ __forceinline__ void load_tile(u32 dst, const typename Tr::T* src, lo
     const bool ch_ok = ch < head_dim_chunks;
     const typename Tr::T* s = src + r0 * row_stride + ch * 8;
     const u32 d = dst + Tr::template tile_offset<ROWS>(r0, ch);
-#pragma unroll
+    // (unrolled by 4: a few loaders (the Hopper kernel's 64) take 16-32 passes, whose offsets,
+    // all held at once, spilled)
+#pragma unroll 4
     for (int it = 0; it < ROWS / ROWS_PER_PASS; ++it) {
       const bool ok = ch_ok && r0 + it * ROWS_PER_PASS < valid_rows;
       // (ROWS_PER_PASS % 8 == 0: the swizzle of r0 + it * ROWS_PER_PASS is r0's)

@@ -42,7 +42,10 @@ struct FlashBwdSm90Traits : FlashFeatures<FEATURES_> {
   static constexpr int PRODUCER_THREADS = 128;
   static constexpr int CONSUMER_THREADS = 128 * NUM_WG;
   static constexpr int THREADS = PRODUCER_THREADS + CONSUMER_THREADS;
-  static constexpr int LOAD_THREADS = PRODUCER_THREADS;   // load_tile's threads
+  // The producer warpgroup's roles: warps 0-1 load (load_tile's threads), warp 2 adds dQ into
+  // the workspace (where DQ_SMEM), warp 3 idles.
+  static constexpr int LOAD_THREADS = 64;
+  static constexpr int DQ_WARP = 2;
   // setmaxnreg: the block launches with LAUNCH_REGS a thread (65536 / THREADS in units of 8,
   // at most 255: min_blocks 1); with two consumer warpgroups the producer gives up registers
   // for them (the release covers the gain, else setmaxnreg.inc waits forever); with one,
@@ -65,17 +68,26 @@ struct FlashBwdSm90Traits : FlashFeatures<FEATURES_> {
   static constexpr int STAGES = 2;                    // Q, dO, lse2, D of a query tile
 
   // Shared memory from a 1024-byte-aligned base (1024 bytes of slack): the K and V tiles, the
-  // stages' Q and dO tiles, two dS^T tiles (all 128-byte swizzled: common/wgmma.cuh), each
-  // stage's lse2 and D rows, then the mbarriers (full and empty per stage, then K / V full and
-  // empty).
+  // stages' Q and dO tiles, two dS^T tiles (all 128-byte swizzled: common/wgmma.cuh), the dQ
+  // tile (DQ_SMEM), each stage's lse2 and D rows, then the mbarriers (full and empty per
+  // stage; K / V full and empty; dQ full and empty).
+  // dQ: the consumers store their dQ accumulators into a [BLOCK_M][HEAD_DIM] fp32 tile (rows
+  // DQ_ROW_BYTES apart: 32 bytes of padding keep the stores of a half-warp on distinct banks)
+  // and the producer's DQ_WARP adds it into the workspace (cp.reduce.async.bulk, one row per
+  // copy), off the consumers' path; where that tile does not fit beside the rest (hd256) the
+  // consumers add their accumulators themselves (red.global.add).
   static constexpr int KV_TILE_BYTES = BLOCK_N * HEAD_DIM * 2;
   static constexpr int QO_TILE_BYTES = BLOCK_M * HEAD_DIM * 2;
   static constexpr int DS_BYTES = BLOCK_N * BLOCK_M * 2;
   static constexpr int ROWS_BYTES = 2 * BLOCK_M * 4;
-  static constexpr int BARRIERS = 2 * STAGES + 2;
-  static constexpr int SMEM_BYTES = 1024 + 2 * KV_TILE_BYTES +
-                                    STAGES * (2 * QO_TILE_BYTES + ROWS_BYTES) + 2 * DS_BYTES +
-                                    8 * BARRIERS;
+  static constexpr int BARRIERS = 2 * STAGES + 4;
+  static constexpr int DQ_ROW_BYTES = HEAD_DIM * 4 + 32;
+  static constexpr int DQ_TILE_BYTES = BLOCK_M * DQ_ROW_BYTES;
+  static constexpr int BASE_SMEM_BYTES = 1024 + 2 * KV_TILE_BYTES +
+                                         STAGES * (2 * QO_TILE_BYTES + ROWS_BYTES) +
+                                         2 * DS_BYTES + 8 * BARRIERS;
+  static constexpr bool DQ_SMEM = BASE_SMEM_BYTES + DQ_TILE_BYTES <= 227 * 1024;
+  static constexpr int SMEM_BYTES = BASE_SMEM_BYTES + (DQ_SMEM ? DQ_TILE_BYTES : 0);
   // load_tile's layout: 64-column blocks of ROWS rows x 128 bytes, 128-byte swizzle.
   template <int ROWS>
   static __device__ __forceinline__ u32 tile_offset(int r, int ch) {
@@ -106,11 +118,16 @@ struct BwdSm90Smem {
   }
   __device__ __forceinline__ u32 d_o(int st) const { return q(st) + Tr::QO_TILE_BYTES; }
   __device__ __forceinline__ u32 ds(int buf) const { return q(Tr::STAGES) + buf * Tr::DS_BYTES; }
-  __device__ __forceinline__ u32 rows(int st) const { return ds(2) + st * Tr::ROWS_BYTES; }
+  __device__ __forceinline__ u32 dq() const { return ds(2); }
+  __device__ __forceinline__ u32 rows(int st) const {
+    return dq() + (Tr::DQ_SMEM ? Tr::DQ_TILE_BYTES : 0) + st * Tr::ROWS_BYTES;
+  }
   __device__ __forceinline__ u32 full(int st) const { return rows(Tr::STAGES) + st * 8; }
   __device__ __forceinline__ u32 empty(int st) const { return full(Tr::STAGES) + st * 8; }
   __device__ __forceinline__ u32 kv_full() const { return empty(Tr::STAGES); }
   __device__ __forceinline__ u32 kv_empty() const { return kv_full() + 8; }
+  __device__ __forceinline__ u32 dq_full() const { return kv_full() + 16; }
+  __device__ __forceinline__ u32 dq_empty() const { return kv_full() + 24; }
 };
 
 // The ring: the producer and the consumers count the query steps of every pass of every key
@@ -120,7 +137,8 @@ __device__ __forceinline__ int ring_stage(int step) { return step % Tr::STAGES; 
 template <typename Tr>
 __device__ __forceinline__ int ring_phase(int step) { return (step / Tr::STAGES) & 1; }
 
-// The producer warpgroup (threads 0 .. 127), in bwd_key_tiles' order: per key tile, once the
+// The producer's loaders (threads 0 .. LOAD_THREADS - 1), in bwd_key_tiles' order: per key
+// tile, once the
 // consumers are done with the last one (kv_empty), its K and V tiles (kv_full); then per pass
 // and query step, once the consumers freed the stage (empty), the step's Q, dO, lse2 and D
 // (full). Each thread arrives on a full barrier when its copies for it have landed. (Its
@@ -148,6 +166,54 @@ __device__ __forceinline__ void bwd_sm90_produce(const FlashBwdParams& p, BwdSm9
   cp_async_wait<0>();   // nothing may still be writing shared memory when the block exits
 }
 
+// The producer's DQ_WARP (lane `lane`), for DQ_SMEM: per step of each key tile's dQ pass, once
+// the consumers have stored the dQ tile (dq_full), its rows below the sequence's end added
+// into the workspace, one cp.reduce.async.bulk (.add.f32) of head_dim floats a row, or one
+// red.global.add a float where a row's bytes are not a multiple of 16 (odd head dims); the
+// tile is handed back (dq_empty) once read. A key tile's adds complete before the next tile's
+// start, which adds into the same rows: the order of the adds stays fixed (deterministic).
+template <typename Tr>
+__device__ __forceinline__ void bwd_sm90_add_dq(const FlashBwdParams& p, BwdSm90Smem<Tr> sm,
+                                                int lane) {
+  BwdWork<Tr> w(p);
+  const bool bulk = p.head_dim % 4 == 0;
+  const long long row_floats = (long long)p.num_heads * p.head_dim;
+  int dq_step = 0;
+  for (int n = blockIdx.x; n * Tr::BLOCK_N < w.sk; n += gridDim.x) {
+    w.start_tile(n);
+#pragma unroll 1
+    for (int it = 0; it < w.n_iter; ++it, ++dq_step) {
+      const int h = w.head_of(it), m0 = w.m0_of(it);
+      float* rows = w.dq_accum + ((w.row_base + m0) * p.num_heads + h) * (long long)p.head_dim;
+      const int n_rows = min(Tr::BLOCK_M, w.sq - m0);
+      mbar_wait(sm.dq_full(), dq_step & 1);
+      if (bulk) {
+        for (int r = lane; r < n_rows; r += 32) {
+          asm volatile(
+              "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+              :: "l"(rows + r * row_floats), "r"(sm.dq() + r * Tr::DQ_ROW_BYTES),
+                 "r"(p.head_dim * 4) : "memory");
+        }
+        asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+        asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+      } else {
+        for (int r = 0; r < n_rows; ++r) {
+          for (int c = lane; c < p.head_dim; c += 32) {
+            float x;
+            asm volatile("ld.shared.f32 %0, [%1];\n"
+                         : "=f"(x) : "r"(sm.dq() + r * Tr::DQ_ROW_BYTES + c * 4) : "memory");
+            asm volatile("red.global.add.f32 [%0], %1;\n"
+                         :: "l"(rows + r * row_floats + c), "f"(x) : "memory");
+          }
+        }
+      }
+      __syncwarp();
+      if (lane == 0) mbar_arrive(sm.dq_empty());
+    }
+    asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+  }
+}
+
 // One consumer block: BwdWork (flash_bwd.cuh), its shared memory and this thread's place:
 // consumer warpgroup wg (keys 64 wg .. of the tile), warp w4 in it (16 of those keys), g and
 // t4 in the warp; and where it is in the ring (step) and in its key tiles (tile).
@@ -162,7 +228,7 @@ struct BwdSm90Block : BwdWork<Tr> {
   BwdSm90Smem<Tr> sm;
   const float* rows0;             // stage 0's lse2 and D rows
   int wg, w4, g, t4;
-  int step = 0, tile = 0;
+  int step = 0, tile = 0, dq_step = 0;
 
   __device__ __forceinline__ BwdSm90Block(const FlashBwdParams& params, unsigned char* smem,
                                           BwdSm90Smem<Tr> smem_layout)
@@ -309,8 +375,9 @@ struct BwdSm90Block : BwdWork<Tr> {
   }
 
   // dQ of this warpgroup's row tile and column group, dS K over the key tile (dS^T tile
-  // buf), added into the workspace rows of head h (query tile m0).
-  __device__ __forceinline__ void add_dq(int h, int m0, int buf) const {
+  // buf), added into the workspace rows of head h (query tile m0): through the dQ tile and
+  // the producer's DQ_WARP (DQ_SMEM), or by this thread's red.global.add.
+  __device__ __forceinline__ void add_dq(int h, int m0, int buf) {
     const int rt = wg % Tr::DQ_ROW_TILES, grp = wg / Tr::DQ_ROW_TILES;
     const int r0 = m0 + rt * 64 + w4 * 16;   // this warp's first row
 #pragma unroll
@@ -327,7 +394,33 @@ struct BwdSm90Block : BwdWork<Tr> {
       wgmma_commit();
       wgmma_wait<0>();
       fence_regs(acc);
-      this->add_dq_rows(acc, h, r0, c0, g, t4);
+      if constexpr (Tr::DQ_SMEM) {
+        if (part == 0) mbar_wait(sm.dq_empty(), (dq_step & 1) ^ 1);   // the last tile is read
+        store_dq(acc, r0 - m0, c0);
+      } else {
+        this->add_dq_rows(acc, h, r0, c0, g, t4);
+      }
+    }
+    if constexpr (Tr::DQ_SMEM) {
+      fence_proxy_async();   // the dQ tile, read next by the bulk copies (the async proxy)
+      mbar_arrive(sm.dq_full());
+      ++dq_step;
+    }
+  }
+
+  // This warp's dQ accumulators (rows r0 + g, + 8 of the tile, columns c0 + 8 nt + 2 t4, + 1)
+  // into the dQ tile.
+  template <int N_TILES>
+  __device__ __forceinline__ void store_dq(const float (&acc)[N_TILES][4], int r0, int c0) const {
+    const u32 row = sm.dq() + (r0 + g) * Tr::DQ_ROW_BYTES + (c0 + 2 * t4) * 4;
+#pragma unroll
+    for (int nt = 0; nt < N_TILES; ++nt) {
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n"
+                     :: "r"(row + hr * 8 * Tr::DQ_ROW_BYTES + nt * 32),
+                        "f"(acc[nt][2 * hr]), "f"(acc[nt][2 * hr + 1]) : "memory");
+      }
     }
   }
 };
@@ -344,17 +437,24 @@ __device__ void flash_bwd_sm90_kernel(const FlashBwdParams& p) {
   if (threadIdx.x == 0) {
 #pragma unroll
     for (int st = 0; st < Tr::STAGES; ++st) {
-      mbar_init(sm.full(st), Tr::PRODUCER_THREADS);
+      mbar_init(sm.full(st), Tr::LOAD_THREADS);
       mbar_init(sm.empty(st), Tr::CONSUMER_THREADS);
     }
-    mbar_init(sm.kv_full(), Tr::PRODUCER_THREADS);
+    mbar_init(sm.kv_full(), Tr::LOAD_THREADS);
     mbar_init(sm.kv_empty(), Tr::CONSUMER_THREADS);
+    mbar_init(sm.dq_full(), Tr::CONSUMER_THREADS);
+    mbar_init(sm.dq_empty(), 1);
     fence_mbar_init();
   }
   __syncthreads();
   if (threadIdx.x < Tr::PRODUCER_THREADS) {
     if constexpr (Tr::SET_REGS) setmaxnreg_dec<Tr::PRODUCER_REGS>();
-    bwd_sm90_produce<Tr>(p, sm);
+    const int warp = threadIdx.x / 32;
+    if (threadIdx.x < Tr::LOAD_THREADS) {
+      bwd_sm90_produce<Tr>(p, sm);
+    } else if (Tr::DQ_SMEM && warp == Tr::DQ_WARP) {
+      bwd_sm90_add_dq<Tr>(p, sm, threadIdx.x % 32);
+    }
     return;
   }
   if constexpr (Tr::SET_REGS) setmaxnreg_inc<Tr::CONSUMER_REGS>();
