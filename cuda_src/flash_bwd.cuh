@@ -400,6 +400,20 @@ __device__ __forceinline__ void p_and_ds(float (&s)[N_TILES][4], float (&dp)[N_T
   }
 }
 
+// dS = P (dP - D) in place of dP, from P (p_and_ds<Tr, false>'s s), where the logits hook's
+// derivative is 1 (no softcap): the same accumulators and D rows as p_and_ds.
+template <typename Tr, int N_TILES>
+__device__ __forceinline__ void ds_from_p(const float (&s)[N_TILES][4], float (&dp)[N_TILES][4],
+                                          const float* lse2_d, int t4) {
+  static_assert(!Tr::SOFTCAP, "softcap's dS needs its derivative: p_and_ds<Tr, true>");
+#pragma unroll
+  for (int nt = 0; nt < N_TILES; ++nt) {
+    const float2 dd = *reinterpret_cast<const float2*>(lse2_d + Tr::BLOCK_M + nt * 8 + 2 * t4);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dp[nt][e] = s[nt][e] * (dp[nt][e] - ((e & 1) ? dd.y : dd.x));
+  }
+}
+
 // A (16 keys x N_TILES n8 tiles) accumulators packed to T as the A operands of k16 steps
 // (flash_fwd.cuh's pack_p layout, which wgmma's register A shares).
 template <typename T, int N_TILES>

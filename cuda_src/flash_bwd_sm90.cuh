@@ -288,7 +288,8 @@ struct BwdSm90Block : BwdWork<Tr> {
       mbar_wait(sm.full(st), ring_phase<Tr>(step));
       fence_proxy_async();
 
-      // S^T = K Q^T, and dP^T = V dO^T for dS
+      // S^T = K Q^T, then dP^T = V dO^T for dS: two groups, so that P is computed under the
+      // second
       float s[Tr::C_N_TILES][4], dp[Tr::C_N_TILES][4];
       wgmma_fence();
       {
@@ -298,50 +299,67 @@ struct BwdSm90Block : BwdWork<Tr> {
           Wgmma<T, BLOCK_M>::ss(s, k_step<BLOCK_N>(k, ks), k_step<BLOCK_M>(q, ks), ks > 0);
         }
       }
+      wgmma_commit();
       if constexpr (DS) {
         const u64 v = desc_now(sm.v() + wg * 64 * 128), d_o = desc_now(sm.d_o(st));
 #pragma unroll
         for (int ks = 0; ks < Tr::K_STEPS; ++ks) {
           Wgmma<T, BLOCK_M>::ss(dp, k_step<BLOCK_N>(v, ks), k_step<BLOCK_M>(d_o, ks), ks > 0);
         }
+        wgmma_commit();
       }
-      wgmma_commit();
-      wgmma_wait<0>();
-      fence_regs(s);
-      if constexpr (DS) fence_regs(dp);
 
-      // P = exp2(scale hook(S) - lse2), 0 where masked; dS = P (dP - D) hook'
-      p_and_ds<Tr, DS>(s, dp, *this, rows_of(st), h, m0, key0(), g, t4, this->masked(it));
-
+      // P = exp2(scale hook(S) - lse2), 0 where masked; dS = P (dP - D) hook'. Without
+      // softcap (hook' = 1) P is computed under the dP^T GEMM; softcap's dS needs each
+      // score's hook': P and dS both once dP^T has landed.
+      constexpr bool P_FIRST = !Tr::SOFTCAP || !DS;
+      const float* rows = rows_of(st);
+      if constexpr (P_FIRST) {
+        if constexpr (DS) wgmma_wait<1>(); else wgmma_wait<0>();
+        fence_regs(s);
+        p_and_ds<Tr, false>(s, dp, *this, rows, h, m0, key0(), g, t4, this->masked(it));
+        if constexpr (DS) {
+          wgmma_wait<0>();   // dP^T has landed
+          fence_regs(dp);
+          ds_from_p<Tr>(s, dp, rows, t4);
+        }
+      } else {
+        wgmma_wait<0>();
+        fence_regs(s);
+        fence_regs(dp);
+        p_and_ds<Tr, true>(s, dp, *this, rows, h, m0, key0(), g, t4, this->masked(it));
+      }
       // dV += P^T dO, dK += dS^T Q (A from registers)
       u32 pa[Tr::C_K_STEPS][4], dsa[Tr::C_K_STEPS][4];
       if constexpr (DV) pack_rows<T>(pa, s);
       if constexpr (DS) pack_rows<T>(dsa, dp);
       wgmma_fence();
-      {
+      if constexpr (DV) {
         const u64 d_o = desc_now(sm.d_o(st), BLOCK_M * 128);
+#pragma unroll
+        for (int kk = 0; kk < Tr::C_K_STEPS; ++kk) {
+          Wgmma<T, HD>::rs(acc_v, pa[kk], mn_step(d_o, kk), it > 0 || kk > 0);
+        }
+      }
+      if constexpr (DK) {
         const u64 q = desc_now(sm.q(st), BLOCK_M * 128);
 #pragma unroll
         for (int kk = 0; kk < Tr::C_K_STEPS; ++kk) {
-          if constexpr (DV) Wgmma<T, HD>::rs(acc_v, pa[kk], mn_step(d_o, kk), it > 0 || kk > 0);
-          if constexpr (DK) Wgmma<T, HD>::rs(acc_k, dsa[kk], mn_step(q, kk), it > 0 || kk > 0);
+          Wgmma<T, HD>::rs(acc_k, dsa[kk], mn_step(q, kk), it > 0 || kk > 0);
         }
       }
       wgmma_commit();
       // dS^T into buffer step % 2: the consumers' barrier of the last step came after every
-      // warpgroup's dQ GEMM of the step before (which read this buffer) had landed.
+      // warpgroup's dQ GEMM of the step before (which read this buffer) had landed. dQ's
+      // first GEMM goes out before dV and dK have landed (they are waited for under it).
       if constexpr (DQ) {
         store_ds(dsa, step & 1);
         fence_proxy_async();   // dS^T, read next by wgmma
         named_barrier_sync(DS_BARRIER, Tr::CONSUMER_THREADS);   // the whole dS^T tile
+        add_dq(h, m0, step & 1, [&] { dkv_landed<WHAT, 1>(acc_v, acc_k, st); });
+      } else {
+        dkv_landed<WHAT, 0>(acc_v, acc_k, st);
       }
-      // (dQ's accumulators only once dV and dK have landed: the registers of P^T and dS^T
-      // are free then)
-      wgmma_wait<0>();
-      if constexpr (DV) fence_regs(acc_v);
-      if constexpr (DK) fence_regs(acc_k);
-      mbar_arrive(sm.empty(st));   // this stage's Q, dO, lse2 and D are read
-      if constexpr (DQ) add_dq(h, m0, step & 1);
     }
     this->step = step;
     if (n_iter == 0) {   // (else the first step's GEMMs zeroed them: scale-d 0)
@@ -360,6 +378,17 @@ struct BwdSm90Block : BwdWork<Tr> {
     }
   }
 
+  // Once the GEMMs but the last PENDING groups have landed, dV and dK among them: stage st's
+  // Q, dO, lse2 and D are read (its empty barrier), and the registers of P^T and dS^T free.
+  template <int WHAT, int PENDING>
+  __device__ __forceinline__ void dkv_landed(float (&acc_v)[Tr::D_N_TILES][4],
+                                             float (&acc_k)[Tr::D_N_TILES][4], int st) const {
+    wgmma_wait<PENDING>();
+    if constexpr (WHAT & kBwdDv) fence_regs(acc_v);
+    if constexpr (WHAT & kBwdDk) fence_regs(acc_k);
+    mbar_arrive(sm.empty(st));
+  }
+
   // This warp's dS^T rows into [key][query] tile buf (64-query column blocks, 128-byte
   // swizzle): a[kk][r] holds (key g + 8 (r % 2), queries 16 kk + 8 (r / 2) + 2 t4, + 1).
   __device__ __forceinline__ void store_ds(const u32 (&a)[Tr::C_K_STEPS][4], int buf) const {
@@ -376,8 +405,11 @@ struct BwdSm90Block : BwdWork<Tr> {
 
   // dQ of this warpgroup's row tile and column group, dS K over the key tile (dS^T tile
   // buf), added into the workspace rows of head h (query tile m0): through the dQ tile and
-  // the producer's DQ_WARP (DQ_SMEM), or by this thread's red.global.add.
-  __device__ __forceinline__ void add_dq(int h, int m0, int buf) {
+  // the producer's DQ_WARP (DQ_SMEM), or by this thread's red.global.add;
+  // first_issued() runs once the first part's GEMM is committed (the caller's wait for the
+  // GEMMs before it).
+  template <typename FirstIssued>
+  __device__ __forceinline__ void add_dq(int h, int m0, int buf, FirstIssued&& first_issued) {
     const int rt = wg % Tr::DQ_ROW_TILES, grp = wg / Tr::DQ_ROW_TILES;
     const int r0 = m0 + rt * 64 + w4 * 16;   // this warp's first row
 #pragma unroll
@@ -392,6 +424,7 @@ struct BwdSm90Block : BwdWork<Tr> {
         Wgmma<T, Tr::DQ_N>::template ss<1, 1>(acc, mn_step(ds, kk), mn_step(k, kk), kk > 0);
       }
       wgmma_commit();
+      if (part == 0) first_issued();
       wgmma_wait<0>();
       fence_regs(acc);
       if constexpr (Tr::DQ_SMEM) {
