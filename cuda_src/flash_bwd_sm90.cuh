@@ -11,9 +11,11 @@
 //                                    MN-major), each warpgroup a 64-row x DQ_DIMS part.
 // Warp-specialized: a producer warpgroup (few registers: setmaxnreg) loads the key tile's K and
 // V and, per query tile, Q, dO, lse2 and D into a ring of STAGES stages by cp.async, each
-// guarded by a full and an empty mbarrier; the consumer warpgroups compute. cp.async writes
-// through the generic proxy and wgmma reads through the async proxy, so a consumer fences
-// (fence.proxy.async) after each full barrier it waits on, and after storing dS^T.
+// guarded by a full and an empty mbarrier, and (one warp of it) adds the consumers' dQ tile
+// into the workspace by bulk reduce-adds; the consumer warpgroups compute, P under the dP
+// GEMM and dQ's GEMM under the wait for dV and dK. cp.async writes through the generic proxy
+// and wgmma and the bulk copies read through the async proxy, so a consumer fences
+// (fence.proxy.async) after each full barrier it waits on and after storing dS^T or dQ.
 #pragma once
 #include "flash_bwd.cuh"
 #include "common/wgmma.cuh"
