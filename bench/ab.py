@@ -1,7 +1,7 @@
 """A/B of two cuattn trees in one process: is any configuration slower in the new tree?
 
     scripts/ab_prepare.sh OLD_COMMIT DIR        # DIR/cuattn_old/ + DIR/cuda_src/
-    PYTHONPATH=. python bench/ab.py --old DIR [--suites flash decode merge verify bwd] [--quick]
+    PYTHONPATH=. python bench/ab.py --old DIR [--suites flash decode merge verify bwd cpasync] [--quick]
         [--settle S] [--flash-path wgmma|mma] [--json F]
 
 "new" is the ``cuattn`` of this checkout (the tree holding this file), "old" is
@@ -34,9 +34,10 @@ new tokens per sequence, the prefill suite's verify rows; "hooks" (not run by de
 softcap beside the same calls without it (hook_cases); "windows" (not run by default):
 flash_forward with sliding windows beside the causal call (window_cases); "bwd" (not run
 by default): flash_backward on the backward suite's grid (bwd_cases; a tree without it is
-timed on one side only). ``--flash-path`` runs the new tree's calls under
-``tuning.override(flash_path=...)``: an A/B of one path's kernels when the new tree's default
-path differs from the old one's.
+timed on one side only); "cpasync" (not run by default): flash_forward on K/V views that
+the Hopper kernel's cp.async producer loads (cpasync_cases). ``--flash-path`` runs the new
+tree's calls under ``tuning.override(flash_path=...)``: an A/B of one path's kernels when the
+new tree's default path differs from the old one's.
 """
 from __future__ import annotations
 
@@ -69,7 +70,7 @@ SPLIT_SHAPES = [  # (batch, seqlen_q, seqlen_k, heads), hd 128, causal: tuning.p
     (1, 1, 16384, 32), (4, 1, 16384, 32), (1, 64, 16384, 16)]
 MERGE_STATES = (4, 16384, 32, 128)                # states, tokens, heads, head size
 PRECOMPILE_TIMEOUT_S = 240
-AB_SUITES = ("flash", "decode", "merge", "verify", "hooks", "windows", "bwd")
+AB_SUITES = ("flash", "decode", "merge", "verify", "hooks", "windows", "bwd", "cpasync")
 DEFAULT_SUITES = ("flash", "decode", "merge")
 
 
@@ -285,6 +286,22 @@ def bwd_cases(quick: bool) -> Iterator[Case]:
         yield Case("bwd", c.label, make, calls=3)
 
 
+def cpasync_cases(quick: bool) -> Iterator[Case]:
+    """flash_forward through the Hopper kernel's cp.async producer: K and V as views with
+    their rows reversed (a negative stride no tensor map takes), the flash suite's shapes at
+    hd 64 / 128 (quick: hd128 S 4096), full and causal."""
+    for d, s in suite_flash.configs(quick):
+        if d == 256 or (quick and (d, s) != (128, 4096)):
+            continue
+        q, k, v = suite_flash.standard_inputs(d, s)
+        k, v = k[:, ::-1], v[:, ::-1]
+        for causal in (False, True):
+            def make(ca, q=q, k=k, v=v, causal=causal):
+                out = cupy.empty_like(q)
+                return (lambda: ca.flash_forward(q, k, v, causal=causal, out=out)), out
+            yield Case("cpasync", suite_flash.label(d, s, causal) + " K/V rows reversed", make)
+
+
 def cases(suites: list[str], quick: bool, new) -> Iterator[Case]:
     if "flash" in suites:
         yield from flash_cases(quick)
@@ -303,6 +320,8 @@ def cases(suites: list[str], quick: bool, new) -> Iterator[Case]:
         yield from window_cases(quick)
     if "bwd" in suites:
         yield from bwd_cases(quick)
+    if "cpasync" in suites:
+        yield from cpasync_cases(quick)
 
 
 def _max_diff(a, b) -> float | None:

@@ -98,3 +98,17 @@ def fa3_wall_ms(fa3: Fa3, call, *, calls: int, n_repeat: int, settle_s: float) -
     """Wall clock per call of ``call`` (harness.wall_ms with jax.block_until_ready)."""
     return wall_ms(call, fa3.jax.block_until_ready, calls=calls, n_repeat=n_repeat,
                    settle_s=settle_s)
+
+
+def train_step(attention):
+    """A jitted training step of one attention: (q, k, v, dout) -> the gradients of
+    sum(attention(q, k, v) * dout) for q, k and v (bench/lab's training-step rows)."""
+    import jax
+    import jax.numpy as jnp
+
+    @jax.jit
+    def step(q, k, v, dout):
+        def loss(q, k, v):
+            return jnp.sum(attention(q, k, v).astype(jnp.float32) * dout)
+        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    return step

@@ -21,6 +21,11 @@ and its outputs are what its backward reads. dout is standard normal. Columns:
 - FA3 (head dim 128 only): the ``flash-attn3-jax`` wheel's backward (bench.jax_peers), in
   the wall-clock table only; a row whose FA3 output or gradients are not all finite is
   left empty with a note (its non-causal outputs were inf in an earlier run).
+Varlen rows (issue 35's target, the flash suite's sequences): flash_varlen_backward over 16
+sequences of mixed lengths (suite_flash.VARLEN_LENGTHS, 16384 tokens, hd128, 16 heads)
+beside the dense flash_backward of the same total (batch 16 x seqlen 1024), each in TFLOP/s
+of the work it does (2.5 x 4 H D sum(len^2), halved for causal), graph-replayed, cuattn only
+(SDPA has no varlen backward); their own table ("varlen").
 Methods (a ratio only ever divides two rates of one method; "cuattn/FA2" is cuattn's
 TFLOP/s over FA2's, > 1: cuattn is faster):
 - graph (kernel-only): ``GRAPH_CALLS`` calls captured once in a CUDA graph (CuPy graph /
@@ -42,9 +47,10 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 
 import cupy
+import numpy as np
 
 import cuattn
-from bench import jax_peers, torch_peers
+from bench import jax_peers, suite_flash, torch_peers
 from bench.harness import eager_ms, median_ms, randn, wall_ms
 from cuattn import tuning
 
@@ -58,6 +64,8 @@ GQA_HEAD_DIM = 128
 GQA_SEQLENS = (4096, 16384)               # causal only
 TOKENS = 16384                            # batch * seqlen of every row
 HEAD_WIDTH = 2048                         # heads * head dim of the standard rows
+VARLEN_LENGTHS = suite_flash.VARLEN_LENGTHS   # 16 sequences, 16384 tokens
+VARLEN_HEADS, VARLEN_HEAD_DIM = 16, 128
 GRAPH_CALLS, GRAPH_REPS = 3, 10
 EAGER_CALLS, EAGER_REPS = 10, 3
 WALL_CALLS, WALL_REPS = 10, 3
@@ -65,6 +73,7 @@ SETTLE_S = 0.2
 TORCH_PEERS = (("FA2", "FLASH_ATTENTION"), ("cuDNN", "CUDNN_ATTENTION"))
 CUATTN_COLUMNS = ("cuattn", "cuattn-mma", "cuattn-det")
 METHODS = ("graph", "eager", "wall")
+VARLEN_TAG = "(varlen, graph)"
 
 
 @dataclass(frozen=True)
@@ -210,6 +219,49 @@ def run(ceilings, quick: bool) -> list[dict]:
                 tt.torch.cuda.empty_cache()
             cupy.get_default_memory_pool().free_all_blocks()
         rows.append(measure_row(c, ceilings, q, k, v, dout, tt, views, fa3))
+    del q, k, v, dout, views
+    cupy.get_default_memory_pool().free_all_blocks()
+    return rows + varlen_rows(quick)
+
+
+def varlen_rows(quick: bool) -> list[dict]:
+    """flash_varlen_backward over the flash suite's mixed lengths beside the dense call of
+    the same total, kernel-only (none in a tree without the backward)."""
+    if not hasattr(cuattn, "flash_varlen_backward"):
+        return []
+    lengths, h, d = VARLEN_LENGTHS, VARLEN_HEADS, VARLEN_HEAD_DIM
+    total, n = sum(lengths), len(lengths)
+    cu = cupy.asarray(np.concatenate([[0], np.cumsum(lengths)]), dtype=np.int32)
+    q, k, v, dout = (randn(total, h, d) for _ in range(4))
+    dense = [x.reshape(n, total // n, h, d) for x in (q, k, v, dout)]
+    grads = [cupy.empty_like(x) for x in (q, k, v)]
+    dense_grads = dict(zip(("dq", "dk", "dv"), (g.reshape(dense[0].shape) for g in grads)))
+    longest = max(lengths)
+    rows = []
+    for causal in (False,) if quick else (False, True):
+        half = 2 if causal else 1
+        work = {"varlen": 2.5 * 4 * h * d * sum(x * x for x in lengths) / half,
+                "dense": 2.5 * 4 * n * h * d * (total // n) ** 2 / half}
+        out, lse = cuattn.flash_varlen_forward(q, k, v, cu, cu, longest, longest, causal=causal,
+                                               return_lse=True)
+        d_out, d_lse = cuattn.flash_forward(*dense[:3], causal=causal, return_lse=True)
+        calls = {"varlen": lambda: cuattn.flash_varlen_backward(
+                     dout, q, k, v, out, lse, cu, cu, longest, longest, causal=causal,
+                     dq=grads[0], dk=grads[1], dv=grads[2]),
+                 "dense": lambda: cuattn.flash_backward(dense[3], *dense[:3], d_out, d_lse,
+                                                        causal=causal, deterministic=False,
+                                                        **dense_grads)}
+        rates = {name: work[name] / median_ms(fn, graph=GRAPH_CALLS, n_warmup=2,
+                                              n_repeat=GRAPH_REPS, settle_s=SETTLE_S) / 1e9
+                 for name, fn in calls.items()}
+        mode = "causal" if causal else "full"
+        row = {"config": f"varlen hd{d} {n} seqs {total} tokens {mode}",
+               f"cuattn TFLOP/s {VARLEN_TAG}": rates["varlen"],
+               f"dense B{n}xS{total // n} TFLOP/s {VARLEN_TAG}": rates["dense"],
+               f"varlen/dense {VARLEN_TAG}": rates["varlen"] / rates["dense"]}
+        print(row["config"], " ".join(f"{key} {value:.3g}" for key, value in row.items()
+                                      if key != "config"), file=sys.stderr, flush=True)
+        rows.append(row)
     return rows
 
 
@@ -276,6 +328,8 @@ def tables(rows: list[dict]) -> list[tuple[str, list[dict]]]:
               "wall": "wall clock (N calls, one sync; JAX's method, valid for ms-long "
                       "kernels), TFLOP/s, head dim 128"}
     out = []
+    varlen = [r for r in rows if any(key.endswith(VARLEN_TAG) for key in r)]
+    rows = [r for r in rows if r not in varlen]
     for method in METHODS:
         tagged = f"({method})"
         table = []
@@ -288,4 +342,7 @@ def tables(rows: list[dict]) -> list[tuple[str, list[dict]]]:
             table.append({"config": r["config"], "floor ms": r["floor ms"], **cells})
         if table:
             out.append((titles[method], table))
+    if varlen:
+        out.append(("varlen beside the dense call of the same total (CUDA graph replays), "
+                    "TFLOP/s", varlen))
     return out

@@ -19,7 +19,7 @@ from ._launch import NULL, Launch, Plan, execute, on_device, plan_cache, plan_fo
 from .flash import _INT32_MAX, _MAX_GRID_YZ, _check_cu_seqlens, _check_options, _check_qkv, \
     _mask_and_bounds, check_fixed_lengths, check_max_seqlens
 from .jit import device_info, get_kernel
-from .variants import FEAT_SINKS, FLASH_BWD_PARAMS
+from .variants import FEAT_SINKS, FLASH_BWD_PARAMS, MASK_CAUSAL
 
 _plans = plan_cache()
 _FIXED_NAMES = ("dout", "q", "k", "v", "out", "lse", "alibi_slopes", "sinks", "dq", "dk", "dv")
@@ -207,6 +207,10 @@ def _plan(*, device_id, dtype, q, k, grads, batch, max_sq, max_sk, total_q, varl
     n_key_tiles = -(-max_sk // main.block_n)
     slices = tuning_bwd.flash_bwd_dq_slices(deterministic, n_key_tiles, batch, nheads_kv,
                                             device.sm_count)
+    lpt_group = tuning_bwd.flash_bwd_lpt_group(
+        kernel=main, causal=mask == MASK_CAUSAL, varlen=varlen, deterministic=deterministic,
+        seqlen_q=max_sq, head_group=nheads // nheads_kv, head_dim=head_dim, elem_bytes=2,
+        l2_bytes=device.l2_bytes)
     rows = total_q * nheads
     # workspace: dq_accum | dsum | lse2, each part 16-byte aligned
     dq_bytes = slices * rows * head_dim * 4
@@ -223,7 +227,7 @@ def _plan(*, device_id, dtype, q, k, grads, batch, max_sq, max_sk, total_q, varl
     tail = FLASH_BWD_PARAMS.tail(
         batch=batch, num_heads=nheads, head_group=nheads // nheads_kv, total_q=total_q,
         head_dim=head_dim, window_left=window_left, window_right=window_right,
-        dq_slices=slices, deterministic=int(deterministic),
+        dq_slices=slices, deterministic=int(deterministic), lpt_group=lpt_group,
         scale_log2=softmax_scale * A.LOG2E, softmax_scale=softmax_scale,
         softmax_scale_inv=1.0 / softmax_scale, **hook_fields(softcap, softmax_scale), **fields)
 

@@ -36,6 +36,9 @@ _OVERRIDE_KEYS = {
     "flash_bwd_tiles": "FlashBwdTiles of the backward's mma.sync kernel (cuattn.tuning_bwd; "
                        "implies that path)",
     "flash_bwd_sm90_tiles": "FlashBwdSm90Tiles of the Hopper backward kernel (cuattn.tuning_bwd)",
+    "flash_bwd_lpt": "False: the backward's causal calls on the plain grid, not the causal "
+                     "schedule; a positive int: (KV head, batch) pairs per section of that "
+                     "schedule (cuattn.tuning_bwd.flash_bwd_lpt_group)",
 }
 _overrides: dict = {}
 
@@ -49,7 +52,8 @@ def override(**choices) -> Iterator[None]:
     prefill_form ("decode" / "flash"), flash_path ("wgmma" / "mma"; forward and backward),
     flash_sm90_tiles (FlashSm90Tiles), flash_bwd_tiles (cuattn.tuning_bwd.FlashBwdTiles;
     implies the backward's mma.sync path), flash_bwd_sm90_tiles
-    (cuattn.tuning_bwd.FlashBwdSm90Tiles).
+    (cuattn.tuning_bwd.FlashBwdSm90Tiles), flash_bwd_lpt (False: no causal schedule; an int:
+    pairs per section).
     The launch plans cached so far are dropped on entry and on exit.
     """
     unknown = sorted(set(choices) - set(_OVERRIDE_KEYS))
@@ -62,6 +66,9 @@ def override(**choices) -> Iterator[None]:
     if choices.get("prefill_form") not in (None, "decode", "flash"):
         raise ValueError("override: prefill_form is 'decode' or 'flash', got "
                          f"{choices['prefill_form']!r}")
+    lpt = choices.get("flash_bwd_lpt")
+    if lpt is not None and lpt is not False and not (type(lpt) is int and lpt > 0):
+        raise ValueError(f"override: flash_bwd_lpt is False or a positive int, got {lpt!r}")
     saved = dict(_overrides)
     _overrides.update(choices)
     _changed()

@@ -137,6 +137,37 @@ def flash_bwd_row_variants(dtype: str, head_dim: int):
             FlashBwdDsinksVariant(dtype, hd, FLASH_BWD_ROWS_THREADS))
 
 
+# The causal schedule of the main kernels (FlashAttention-3's SingleTileBwdLPTScheduler): a
+# causal call's first key tiles see the most query tiles, so its blocks run in sections of a
+# few (KV head, batch) pairs, key tile-major within each: every section's heavy tiles start
+# before its light ones (the longest-first rule: a light tile ends the kernel, not a heavy one
+# started last), and the blocks running together stream the Q, dO and dQ rows of the few pairs
+# of a section, which fit in a share of the L2 (FA3's 40 MB of 50 on an H100).
+LPT_L2_SHARE = 0.8
+
+
+def flash_bwd_lpt_group(*, kernel, causal: bool, varlen: bool, deterministic: bool,
+                        seqlen_q: int, head_group: int, head_dim: int, elem_bytes: int,
+                        l2_bytes: int) -> int:
+    """(KV head, batch) pairs per section of the causal schedule (the params' lpt_group), 0
+    for the plain grid: the mma.sync kernel (FlashBwdVariant: its traits' CAUSAL_SCHEDULE is
+    false), non-causal, windowed or varlen calls (tiles of about equal work, or lengths the
+    host does not know) and deterministic ones (their block columns walk tiles in a fixed
+    order). A pair's blocks stream head_group query heads of seqlen_q rows: Q and dO
+    (elem_bytes each), dQ's fp32 workspace, lse2 and D; sections hold a power of two of pairs
+    whose rows fit LPT_L2_SHARE of the L2 (at least one). tuning.override(flash_bwd_lpt=...):
+    False for the plain grid, a positive int for that many pairs per section."""
+    forced = tuning._overrides.get("flash_bwd_lpt")
+    if not isinstance(kernel, FlashBwdSm90Variant) or not causal or varlen or deterministic \
+            or forced is False:
+        return 0
+    if forced is not None:
+        return int(forced)
+    pair_bytes = head_group * seqlen_q * (head_dim * (2 * elem_bytes + 4) + 8)
+    fit = int(LPT_L2_SHARE * l2_bytes) // max(pair_bytes, 1)
+    return 1 << (fit.bit_length() - 1) if fit >= 1 else 1
+
+
 def flash_bwd_dq_slices(deterministic: bool, n_key_tiles: int, batch: int, nheads_kv: int,
                         sm_count: int) -> int:
     """Slices of the dQ workspace (the main kernel's grid x): 1 for atomics from every key

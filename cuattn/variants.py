@@ -55,6 +55,7 @@ FLASH_BWD_PARAMS = ParamsStruct("FlashBwdParams", [
     ("window_right", "i32"), ("dq_slices", "i32"), ("deterministic", "i32"),
     ("scale_log2", "f32"), ("softmax_scale", "f32"), ("softmax_scale_inv", "f32"),
     ("softcap_in", "f32"), ("softcap_out", "f32"), ("alibi_stride_batch", "i32"),
+    ("lpt_group", "i32"),
 ])
 
 MERGE_PARAMS = ParamsStruct("MergeParams", [

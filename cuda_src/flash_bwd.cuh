@@ -54,6 +54,9 @@ struct FlashBwdTraits : FlashFeatures<FEATURES_> {
   static constexpr int DQ_N_TILES = DQ_DIMS / 8;
   static constexpr int PASSES = HEAD_DIM > 128 ? 2 : 1;
   static constexpr int STAGES = 2;                     // Q, dO, lse2, D of the next query tile
+  // No causal schedule (bwd_block_index): at the 255-register edge, any block index that is
+  // not a blockIdx (which ptxas re-reads for free) doubles the spills.
+  static constexpr bool CAUSAL_SCHEDULE = false;
   static constexpr int KV_TILE_BYTES = BLOCK_N * HEAD_DIM * 2;
   static constexpr int QO_TILE_BYTES = BLOCK_M * HEAD_DIM * 2;
   static constexpr int STAGE_BYTES = 2 * QO_TILE_BYTES + 2 * BLOCK_M * 4;
@@ -227,8 +230,40 @@ __device__ __forceinline__ void store_key_rows(const float (&acc)[Tr::D_N_TILES]
   }
 }
 
+// The first key tile, KV head and batch entry of this block of either main kernel: it takes
+// tiles tile0, tile0 + gridDim.x, ... (while they start before the sequence's end) of KV head
+// kvh, batch entry b. Block (x, y, z) takes tiles x, x + gridDim.x, ... of KV head y, batch z;
+// in kernels with Tr::CAUSAL_SCHEDULE, where p.lpt_group > 0 (causal calls, one tile per
+// block), the blocks are read in launch order (x fastest) as sections of lpt_group (KV head,
+// batch) pairs, key tile-major within a section:
+// the heavy first tiles of a section's pairs start before its light last ones, and the blocks
+// that run together stream the Q, dO and dQ rows of few heads through the L2
+// (FlashAttention-3's causal backward scheduler, SingleTileBwdLPTScheduler).
+struct BwdBlockIndex {
+  int tile0, kvh, b;
+};
+template <typename Tr>
+__device__ __forceinline__ BwdBlockIndex bwd_block_index(const FlashBwdParams& p) {
+  if constexpr (!Tr::CAUSAL_SCHEDULE) {
+    return {int(blockIdx.x), int(blockIdx.y), int(blockIdx.z)};
+  } else {
+    if (p.lpt_group == 0) {
+      return {int(blockIdx.x), int(blockIdx.y), int(blockIdx.z)};
+    }
+    // (unsigned: the compiler then knows every index non-negative, as blockIdx's are)
+    const unsigned tiles = gridDim.x, pairs = gridDim.y * gridDim.z, group = p.lpt_group;
+    const unsigned linear = blockIdx.x + tiles * (blockIdx.y + gridDim.y * blockIdx.z);
+    const unsigned first_pair = linear / (group * tiles) * group;
+    const unsigned width = min(group, pairs - first_pair);   // (the last section's may be less)
+    const unsigned in_section = linear - first_pair * tiles;
+    const unsigned pair = first_pair + in_section % width;
+    return {int(in_section / width), int(pair % gridDim.y), int(pair / gridDim.y)};
+  }
+}
+
 // What every form of the main kernel's block knows (this one's and flash_bwd_sm90.cuh's): its
-// (batch entry, KV head), its sequence's pointers, and the key tile it is on (start_tile):
+// (batch entry, KV head) and key tiles (BwdBlockIndex), its sequence's pointers, and the key
+// tile it is on (start_tile):
 // the query tiles that see it, walked over every query head of the KV head (step it: head
 // head_of(it), first row m0_of(it)), and their loads (Tr::LOAD_THREADS threads, load_tile's
 // layout: Tr::tile_offset).
@@ -238,7 +273,7 @@ struct BwdWork {
   static constexpr int BLOCK_M = Tr::BLOCK_M, BLOCK_N = Tr::BLOCK_N;
 
   const FlashBwdParams& p;
-  int kvh, sq, sk, head_dim_chunks;
+  int kvh, sq, sk, head_dim_chunks;   // (kvh: bwd_block_index's)
   typename Tr::Mask mask;
   long long row_base;             // workspace token of this sequence's query row 0
   float* dq_accum;                // this block's slice
@@ -246,6 +281,7 @@ struct BwdWork {
   const T* do_seq;
   const T* k_seq;                 // key 0 of the sequence, this KV head
   const T* v_seq;
+  const float* alibi_row;         // ALiBi: the batch entry's slopes (head 0)
   // The key tile: its first key, the query tiles [m_lo, m_lo + n_m) that see any of its
   // keys, [full_lo, full_hi) that see all (no mask), and the steps (query head of the group,
   // query tile).
@@ -253,8 +289,8 @@ struct BwdWork {
 
   __device__ __forceinline__ explicit BwdWork(const FlashBwdParams& params)
       : p(params), mask(0, 0, 0, 0) {
-    kvh = blockIdx.y;
-    const int b = blockIdx.z;
+    kvh = bwd_block_index<Tr>(p).kvh;   // (each use reads the index anew: blockIdx's, ptxas
+    const int b = batch();              // re-reads them for free)
     const SeqRange qr = seq_range(p.cu_seqlens_q, b, p.seqlen_q);
     const SeqRange kr = seq_range(p.cu_seqlens_k, b, p.seqlen_k);
     sq = qr.len;
@@ -262,8 +298,9 @@ struct BwdWork {
     head_dim_chunks = p.head_dim / 8;
     mask = typename Tr::Mask(sq, sk, p.window_left, p.window_right);
     row_base = (p.cu_seqlens_q == nullptr ? (long long)b * p.seqlen_q : 0) + qr.start;
-    dq_accum = static_cast<float*>(p.dq_accum) +
-               (p.deterministic ? (long long)blockIdx.x * p.total_q * p.num_heads * p.head_dim : 0);
+    alibi_row = static_cast<const float*>(p.alibi_slopes) + (long long)b * p.alibi_stride_batch;
+    const long long slice_floats = (long long)p.total_q * p.num_heads * p.head_dim;
+    dq_accum = static_cast<float*>(p.dq_accum) + (p.deterministic ? first_tile() * slice_floats : 0);
     q_seq = static_cast<const T*>(p.q) + b * p.q_stride_batch + (long long)qr.start * p.q_stride_row;
     do_seq = static_cast<const T*>(p.dout) + b * p.do_stride_batch +
              (long long)qr.start * p.do_stride_row;
@@ -272,6 +309,14 @@ struct BwdWork {
     v_seq = static_cast<const T*>(p.v) + b * p.v_stride_batch +
             (long long)kr.start * p.v_stride_row + kvh * p.v_stride_head;
   }
+
+  // This block's key tiles: for (int n = first_tile(); has_tile(n); n = next_tile(n)) (the
+  // first one recomputed: held across the loop it took a register the producer lacks).
+  __device__ __forceinline__ int first_tile() const { return bwd_block_index<Tr>(p).tile0; }
+  __device__ __forceinline__ bool has_tile(int n) const { return n * Tr::BLOCK_N < sk; }
+  __device__ __forceinline__ int next_tile(int n) const { return n + int(gridDim.x); }
+  // The batch entry (recomputed, as first_tile: a register across the loops otherwise).
+  __device__ __forceinline__ int batch() const { return bwd_block_index<Tr>(p).b; }
 
   __device__ __forceinline__ void start_tile(int n) {
     n0 = n * BLOCK_N;
@@ -358,7 +403,7 @@ struct BwdWork {
   // The first dK / dV row of the sequence's keys (varlen: they start at cu_seqlens_k[b]).
   __device__ __forceinline__ T* grad_rows(void* grad, long long s_batch, long long s_row,
                                           long long s_head) const {
-    const int b = blockIdx.z;
+    const int b = batch();
     const long long k0 =
         p.cu_seqlens_k == nullptr ? 0 : static_cast<const int*>(p.cu_seqlens_k)[b];
     return static_cast<T*>(grad) + b * s_batch + kvh * s_head + k0 * s_row;
@@ -376,8 +421,7 @@ __device__ __forceinline__ void p_and_ds(float (&s)[N_TILES][4], float (&dp)[N_T
   const FlashBwdParams& p = w.p;
   float slope = 0.f;
   if constexpr (Tr::ALIBI) {
-    slope = static_cast<const float*>(p.alibi_slopes)[blockIdx.z * p.alibi_stride_batch + h] *
-            p.softmax_scale_inv;
+    slope = w.alibi_row[h] * p.softmax_scale_inv;
   }
   const typename Tr::Logits hook(slope, p.softcap_in, p.softcap_out);
 #pragma unroll
@@ -581,7 +625,7 @@ struct BwdBlock : BwdWork<Tr> {
 };
 
 // The key tiles of a block of either main kernel (flash_bwd_kernel, flash_bwd_sm90_kernel):
-// tiles x, x + gridDim.x, ... of its KV head and batch entry; for each, pass<WHAT>() over the
+// BwdBlockIndex's tiles of its KV head and batch entry; for each, pass<WHAT>() over the
 // query tiles that see it (one pass, or dV then dK and dQ), then the rows of dV and of dK
 // (times the softmax scale) of this thread's 16 keys (Block::key0()).
 template <typename Tr, typename Block>
@@ -589,7 +633,7 @@ __device__ __forceinline__ void bwd_key_tiles(const FlashBwdParams& p, Block& bl
   using T = typename Tr::T;
   T* dk_seq = blk.grad_rows(p.dk, p.dk_stride_batch, p.dk_stride_row, p.dk_stride_head);
   T* dv_seq = blk.grad_rows(p.dv, p.dv_stride_batch, p.dv_stride_row, p.dv_stride_head);
-  for (int n = blockIdx.x; n * Tr::BLOCK_N < blk.sk; n += gridDim.x) {
+  for (int n = blk.first_tile(); blk.has_tile(n); n = blk.next_tile(n)) {
     blk.start_tile(n);
     const int key0 = blk.key0();
     if constexpr (Tr::PASSES == 1) {
@@ -613,7 +657,7 @@ __device__ __forceinline__ void bwd_key_tiles(const FlashBwdParams& p, Block& bl
 
 // Grid: (ceil(max_seqlen_k / BLOCK_N), num_heads_kv, batch), or deterministically (dq_slices,
 // num_heads_kv, batch); block: (NUM_WARPS * 32), dynamic shared memory: Tr::SMEM_BYTES.
-// Block (x, y, z) takes key tiles x, x + gridDim.x, ... of KV head y, batch z: for each, its
+// Each block takes its key tiles (BwdBlockIndex) of one KV head and batch entry: for each, its
 // K and V tile stay in shared memory while the query tiles of every query head of KV head y
 // that see it stream through two stages (Q, dO, lse2, D). Per query tile, each warp: dP^T =
 // V dO^T and S^T = K Q^T for its 16 keys, P = exp2(scale S - lse2) (hook and mask), dS = P

@@ -56,6 +56,9 @@ struct FlashBwdSm90Traits : FlashFeatures<FEATURES_> {
   static constexpr int PRODUCER_REGS = 40;
   static constexpr int CONSUMER_REGS = 232;
   static constexpr bool SET_REGS = NUM_WG == 2;
+  // bwd_block_index's schedule, where p.lpt_group > 0 (the host sets it for causal calls
+  // only; the other forms compile none of it)
+  static constexpr bool CAUSAL_SCHEDULE = MASK_ == kMaskCausal;
   static constexpr int D_CHUNKS = HEAD_DIM / 8;       // 16-byte chunks of a Q / K / V row
   static constexpr int K_STEPS = HEAD_DIM / 16;       // k16 steps of S^T, dP^T
   static constexpr int C_N_TILES = BLOCK_M / 8;       // n8 tiles of S^T (queries)
@@ -149,7 +152,7 @@ template <typename Tr>
 __device__ __forceinline__ void bwd_sm90_produce(const FlashBwdParams& p, BwdSm90Smem<Tr> sm) {
   BwdWork<Tr> w(p);
   int step = 0, tile = 0;
-  for (int n = blockIdx.x; n * Tr::BLOCK_N < w.sk; n += gridDim.x, ++tile) {
+  for (int n = w.first_tile(); w.has_tile(n); n = w.next_tile(n), ++tile) {
     w.start_tile(n);
     mbar_wait(sm.kv_empty(), (tile & 1) ^ 1);
     w.load_kv(sm.k(), sm.v(), thread_index_now());
@@ -181,7 +184,7 @@ __device__ __forceinline__ void bwd_sm90_add_dq(const FlashBwdParams& p, BwdSm90
   const bool bulk = p.head_dim % 4 == 0;
   const long long row_floats = (long long)p.num_heads * p.head_dim;
   int dq_step = 0;
-  for (int n = blockIdx.x; n * Tr::BLOCK_N < w.sk; n += gridDim.x) {
+  for (int n = w.first_tile(); w.has_tile(n); n = w.next_tile(n)) {
     w.start_tile(n);
 #pragma unroll 1
     for (int it = 0; it < w.n_iter; ++it, ++dq_step) {
@@ -462,8 +465,8 @@ struct BwdSm90Block : BwdWork<Tr> {
 
 // Grid: (ceil(max_seqlen_k / BLOCK_N), num_heads_kv, batch), or deterministically (dq_slices,
 // num_heads_kv, batch); block: (THREADS), dynamic shared memory: Tr::SMEM_BYTES. What
-// flash_bwd_kernel computes, in the same order (key tiles x, x + gridDim.x, ... of KV head y,
-// batch z), with its GEMMs on wgmma: warpgroup 0 loads (bwd_sm90_produce), each consumer
+// flash_bwd_kernel computes, in the same order (BwdBlockIndex's key tiles of one KV head and
+// batch entry), with its GEMMs on wgmma: warpgroup 0 loads (bwd_sm90_produce), each consumer
 // warpgroup's 64 keys of dK (times the softmax scale) and dV are written once per tile.
 template <typename Tr>
 __device__ void flash_bwd_sm90_kernel(const FlashBwdParams& p) {

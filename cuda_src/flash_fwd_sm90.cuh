@@ -739,6 +739,15 @@ __device__ void flash_fwd_sm90_kernel(const FlashFwdParams& p, const FlashTmaMap
     }
   };
 
+  // A full barrier of the rings, waited for before wgmma reads its tile. The cp.async
+  // producer's copies are generic-proxy writes and wgmma reads through the async proxy: the
+  // PTX memory model orders the two only through a proxy fence, so each consumer thread fences
+  // once the barrier has shown it the copies (TMA writes through the async proxy: no fence).
+  auto wait_full = [](u32 bar, int phase) {
+    mbar_wait(bar, phase);
+    if constexpr (!Tr::TMA) fence_proxy_async();
+  };
+
   // (the producer's choice: tma_produce's FETCH)
   auto next = [&](unsigned k, unsigned& m_block, unsigned& head, unsigned& z) {
     return Tr::FETCH_VARLEN && varlen_call<Tr>(p)
@@ -779,7 +788,7 @@ __device__ void flash_fwd_sm90_kernel(const FlashFwdParams& p, const FlashTmaMap
     // S = Q K^T of step n into s_acc (issued, committed; the caller waits)
     auto issue_qk = [&](int n) {
       const RingSlot<Tr> slot(blk.first_step + n);
-      mbar_wait(sm.k_full(slot.stage), slot.phase);
+      wait_full(sm.k_full(slot.stage), slot.phase);
 #pragma unroll
       for (int ks = 0; ks < Tr::QK_K_STEPS; ++ks) {
         Wgmma<T, BN>::ss(s_acc[0], q_desc(ks), k_desc(slot.stage, ks), ks > 0);
@@ -789,7 +798,7 @@ __device__ void flash_fwd_sm90_kernel(const FlashFwdParams& p, const FlashTmaMap
     // O += P V of step n (P in p_pack; issued, committed)
     auto issue_pv = [&](int n) {
       const RingSlot<Tr> slot(blk.first_step + n);
-      mbar_wait(sm.v_full(slot.stage), slot.phase);
+      wait_full(sm.v_full(slot.stage), slot.phase);
 #pragma unroll
       for (int kk = 0; kk < Tr::PV_K_STEPS; ++kk) {
         Wgmma<T, Tr::HEAD_DIM>::template rs<Tr::VLLM ? 0 : 1>(o_acc[0], p_pack[0][kk],
@@ -850,7 +859,7 @@ __device__ void flash_fwd_sm90_kernel(const FlashFwdParams& p, const FlashTmaMap
 
     // ---- the key loop: S_n in flight with O += P_{n-1} V_{n-1}; softmax of S_n under the
     // latter; O rescaled once it has landed ------------------------------------------------
-    mbar_wait(sm.q_full(), blk.q_phase);
+    wait_full(sm.q_full(), blk.q_phase);
     if (n_steps == 0) {
       if (!Tr::O_IN_Q) mbar_arrive(sm.q_empty());
     } else {

@@ -49,8 +49,9 @@ command -v "$cs" > /dev/null || { echo "sanitize.sh: $cs not found (set COMPUTE_
 # (softcap alone too: the Hopper kernel's ping-pong and raw-max paths) and on both decode
 # forms (v1 and v2, NHD block sizes 1 and 256, windows); the backward: its pre-pass, main kernel
 # one-pass (hd 64) and two-pass (hd 192 / 256) in each mask form (none, causal with rows that
-# see no key, a window), every hook in both, varlen with empty sequences, dQ convert of one and
-# of three (deterministic) dQ slices, the sinks' gradient.
+# see no key, a window), the Hopper kernel's causal schedule (sections of pairs), every hook
+# in both, varlen with empty sequences, dQ convert of one and of three (deterministic) dQ
+# slices, the sinks' gradient.
 reduced="tests/test_merge.py
  tests/test_flash.py::test_small_against_numpy_float64
  tests/test_flash.py::test_seqlen_k_zero_and_no_key_rows
@@ -127,6 +128,7 @@ reduced="tests/test_merge.py
  tests/test_flashinfer_tables.py::test_writes_into_row_strided_out_buffers_and_nothing_else
  tests/test_flash_bwd.py::test_bwd_sweep[wgmma-d64-97x131-nc]
  tests/test_flash_bwd.py::test_bwd_sweep[wgmma-d128-97x131-c]
+ tests/test_flash_bwd.py::test_bwd_causal_schedule[wgmma-2]
  tests/test_flash_bwd.py::test_bwd_sweep[mma-d64-97x131-nc]
  tests/test_flash_bwd.py::test_bwd_sweep[mma-d192-97x131-nc]
  tests/test_flash_bwd.py::test_bwd_rows_that_see_no_key_get_zero_gradients[wgmma]

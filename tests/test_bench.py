@@ -69,15 +69,24 @@ class _Fake:
     def __init__(self, monkeypatch, *, backward: bool):
         self.calls = []
         fake_cupy = SimpleNamespace(
-            empty_like=np.empty_like,
+            empty_like=np.empty_like, asarray=np.asarray,
             get_default_memory_pool=lambda: SimpleNamespace(free_all_blocks=lambda: None),
             cuda=SimpleNamespace(Device=lambda: SimpleNamespace(synchronize=lambda: None)))
         monkeypatch.setattr(suite_bwd, "cupy", fake_cupy)
         monkeypatch.setattr(suite_bwd, "inputs", lambda c: tuple(
             np.zeros((c.batch, 1, h, 1), np.float32)
             for h in (c.q_heads, c.kv_heads, c.kv_heads, c.q_heads)))
-        cuattn = SimpleNamespace(flash_forward=lambda q, k, v, causal, return_lse: (q, q))
+        monkeypatch.setattr(suite_bwd, "VARLEN_LENGTHS", (3, 1))   # dense: 2 x 2
+        monkeypatch.setattr(suite_bwd, "randn", lambda *shape: np.zeros(shape, np.float32))
+        self.varlen_calls = []
+        cuattn = SimpleNamespace(
+            flash_forward=lambda q, k, v, causal, return_lse: (q, q),
+            flash_varlen_forward=lambda q, k, v, cu_q, cu_k, max_q, max_k, causal, return_lse:
+                (q, q))
         if backward:
+            cuattn.flash_varlen_backward = (
+                lambda dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, *, causal, dq, dk, dv:
+                self.varlen_calls.append((tuple(cu_q), max_q, causal)))
             def flash_backward(dout, q, k, v, out, lse, *, causal, deterministic, dq, dk, dv):
                 self.calls.append((causal, deterministic))
             cuattn.flash_backward = flash_backward
@@ -101,7 +110,14 @@ CEILINGS = Ceilings(copy_gbps=4000.0, read_gbps=4500.0, matmul_tflops=700.0, dev
 def test_rows_and_tables_with_faked_measurements(monkeypatch):
     fake = _Fake(monkeypatch, backward=True)
     rows = suite_bwd.run(CEILINGS, quick=True)
+    *rows, varlen = rows                        # quick: the full varlen row only
     assert [r["config"] for r in rows] == [c.label for c in suite_bwd.configs(quick=True)]
+    assert varlen["config"] == "varlen hd128 2 seqs 4 tokens full"
+    assert fake.varlen_calls and set(fake.varlen_calls) == {((0, 3, 4), 3, False)}
+    # work 2.5 x 4 H D sum(len^2) against the dense call's 2 x 2^2, both timed at 2 ms
+    assert varlen["varlen/dense (varlen, graph)"] == pytest.approx((9 + 1) / (2 * 4))
+    assert varlen["cuattn TFLOP/s (varlen, graph)"] == pytest.approx(
+        2.5 * 4 * 16 * 128 * 10 / 2.0 / 1e9)
     first, c = rows[0], suite_bwd.configs(quick=True)[0]
     flops = suite_bwd.backward_flops(c)
     assert first["floor ms"] == pytest.approx(flops / 700e9)
@@ -111,9 +127,10 @@ def test_rows_and_tables_with_faked_measurements(monkeypatch):
     assert first["FA2 TFLOP/s (graph)"] is None and first["cuattn/cuDNN (eager)"] is None
     assert not any(key.endswith("(wall)") for key in first)      # no FA3 loaded
     assert (True, True) in fake.calls and (False, False) in fake.calls
-    titled = suite_bwd.tables(rows)
-    assert [title.split(" ")[0] for title, _ in titled] == ["kernel-only", "eager"]
-    for title, table in titled:
+    titled = suite_bwd.tables([*rows, varlen])
+    assert [title.split(" ")[0] for title, _ in titled] == ["kernel-only", "eager", "varlen"]
+    assert titled[-1][1] == [varlen]
+    for title, table in titled[:-1]:
         method = "(graph)" if title.startswith("kernel") else "(eager)"
         for row in table:
             assert all(key in ("config", "floor ms") or key.endswith(method) for key in row)
@@ -139,7 +156,7 @@ def test_fa3_rows_count_only_where_finite(monkeypatch, capsys):
     assert "not finite" in capsys.readouterr().err
     wall = dict(suite_bwd.tables(list(rows.values())))
     (title,) = [t for t in wall if t.startswith("wall")]
-    assert len(wall[title]) == len(rows)          # every row is head dim 128 here
+    assert len(wall[title]) == len(rows) - 1      # every row but varlen's is head dim 128
 
 
 def test_wall_clock_syncs_once_per_rep():

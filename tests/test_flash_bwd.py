@@ -228,6 +228,35 @@ def test_deterministic_slices_rule():
     assert tuning_bwd.flash_bwd_dq_slices(True, 64, 16, 16, 132) == 1
 
 
+def test_causal_schedule_rule():
+    """Sections of the causal schedule: a power of two of (KV head, batch) pairs whose query
+    rows fit LPT_L2_SHARE of the L2 (at least one); the plain grid (0) unless the call is
+    causal with fixed lengths and not deterministic; tuning.override forces either."""
+    sm90 = tuning_bwd.flash_bwd_variant("bf16", 128, mask=MASK_CAUSAL, arch="sm_90")
+    with tuning.override(flash_path="mma"):
+        mma = tuning_bwd.flash_bwd_variant("bf16", 128, mask=MASK_CAUSAL, arch="sm_90")
+    kw = dict(kernel=sm90, causal=True, varlen=False, deterministic=False, seqlen_q=4096,
+              head_group=1, head_dim=128, elem_bytes=2, l2_bytes=40 << 20)
+    pair = 4096 * (128 * 8 + 8)
+    fit = int(tuning_bwd.LPT_L2_SHARE * (40 << 20)) // pair
+    group = tuning_bwd.flash_bwd_lpt_group(**kw)
+    assert group & (group - 1) == 0 and group <= fit < 2 * group
+    assert tuning_bwd.flash_bwd_lpt_group(**{**kw, "head_group": 4}) == group // 4
+    assert tuning_bwd.flash_bwd_lpt_group(**{**kw, "seqlen_q": 1 << 20}) == 1
+    for off in ("kernel", "causal", "varlen", "deterministic"):
+        flip = {"kernel": mma, "causal": False, "varlen": True, "deterministic": True}[off]
+        assert tuning_bwd.flash_bwd_lpt_group(**{**kw, off: flip}) == 0
+    with tuning.override(flash_bwd_lpt=False):
+        assert tuning_bwd.flash_bwd_lpt_group(**kw) == 0
+    with tuning.override(flash_bwd_lpt=3):
+        assert tuning_bwd.flash_bwd_lpt_group(**kw) == 3
+        assert tuning_bwd.flash_bwd_lpt_group(**{**kw, "causal": False}) == 0
+    for bad in (0, -1, 2.0, True, "x"):
+        with pytest.raises(ValueError, match="flash_bwd_lpt"):
+            with tuning.override(flash_bwd_lpt=bad):
+                pass
+
+
 # ---- GPU ---------------------------------------------------------------------------------------
 
 def _randn(rng, shape, dtype, scale=1.0):
@@ -518,6 +547,27 @@ def test_bwd_graph_replay_equals_eager(rng):
     for a, c in zip(grads, eager):
         assert bool(cupy.allclose(a.astype(np.float32), c.astype(np.float32), atol=1e-2,
                                   rtol=1e-2))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("group", [1, 2, 4, 16])
+def test_bwd_causal_schedule(rng, group, bwd_path):
+    """The causal schedule's sections (tuning.override(flash_bwd_lpt=group): 9 (KV head, batch)
+    pairs, so a short last section but at 1) give every key tile to one block: gradients
+    right (poisoned outputs, reference), and dK, dV the plain grid's bits (dQ's atomics may
+    add in another order). The Hopper kernel's schedule: the mma.sync kernel has none."""
+    import cupy
+    if bwd_path != "wgmma":
+        pytest.skip("the causal schedule is the Hopper kernel's (tuning_bwd.flash_bwd_lpt_group)")
+    with tuning.override(flash_bwd_lpt=group):
+        q, k, v, out, lse, dout, grads, kw = run_case(rng, b=3, sq=300, sk=300, h=6, hkv=3,
+                                                      d=128, causal=True)
+    with tuning.override(flash_bwd_lpt=False):
+        plain = cuattn.flash_backward(dout, q, k, v, out, lse, **kw)
+    for name, a, c in zip(("dk", "dv"), grads[1:], plain[1:]):
+        assert bool((a.view(np.uint16) == c.view(np.uint16)).all()), name
+    assert bool(cupy.allclose(grads[0].astype(np.float32), plain[0].astype(np.float32),
+                              atol=1e-2, rtol=1e-2))
 
 
 @pytest.mark.gpu

@@ -27,6 +27,7 @@ import jax.numpy as jnp                                  # noqa: E402
 import cuattn                                            # noqa: E402
 import cuattn.jax as cjax                                # noqa: E402
 from bench.harness import CupyGraph, eager_ms, randn     # noqa: E402
+from bench.jax_peers import train_step                   # noqa: E402
 
 CALLS, ROUNDS = 200, 5
 
@@ -50,15 +51,6 @@ def per_call_ms(fn, *args) -> float:
 def jitted_attention(command_buffer: bool):
     cjax._COMMAND_BUFFER = command_buffer           # read when the function is traced
     return jax.jit(lambda q, k, v: cjax.flash_attention(q, k, v, causal=True))
-
-
-def train_step(attention):
-    @jax.jit
-    def step(q, k, v, dout):
-        def loss(q, k, v):
-            return jnp.sum(attention(q, k, v).astype(jnp.float32) * dout)
-        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
-    return step
 
 
 def main():

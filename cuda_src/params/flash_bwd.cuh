@@ -57,6 +57,11 @@ struct FlashBwdParams {
   float softcap_in;           // softcap: softmax_scale / cap (common/logits.cuh)
   float softcap_out;          // softcap: cap / softmax_scale
   int alibi_stride_batch;     // 0: alibi_slopes [num_heads]; else its row stride
+  int lpt_group;              // 0: block (x, y, z) takes key tiles x, x + gridDim.x, ... of kv head
+                              // y, batch z; else (the Hopper kernel) one tile per block, heavy
+                              // tiles first: the grid read in launch order as sections of
+                              // lpt_group (kv head, batch) pairs, key tile-major within each
+                              // (bwd_block_index)
 };
 
 }  // namespace cuattn
