@@ -1,7 +1,11 @@
 """Float64 NumPy references shared by the tests (and the tolerance rule of docs/ARCHITECTURE.md)."""
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
+
+E4M3 = ml_dtypes.float8_e4m3fn
+E4M3_MAX = 448.0                                          # e4m3fn's largest finite value
 
 
 def merge_reference(outs: np.ndarray, lses: np.ndarray):
@@ -164,6 +168,72 @@ def attention_backward_reference(q, k, v, dout, scale, *, causal=False, window=(
         if sinks is not None:
             dsinks[h] = -(p_sink * d).sum()
     return rnd(dq), rnd(dk), rnd(dv), dsinks
+
+
+def quantize_e4m3(x, scale):
+    """x / scale (in float32; scale broadcasts) -> float8_e4m3fn, nearest even (ml_dtypes),
+    saturated to +/-448 (inf too; NaN stays NaN): what the kernels' cvt.rn.satfinite does
+    (ml_dtypes alone turns values past 464 into NaN, e4m3fn having no inf)."""
+    y = np.asarray(x, np.float32) / np.asarray(scale, np.float32)
+    return np.clip(y, -E4M3_MAX, E4M3_MAX).astype(E4M3)
+
+
+def _per_head(descale, batch, nheads):
+    """A float32 (batch, nheads_kv) descale (or a scalar) -> float32 (batch, nheads): head h
+    takes KV head h // (nheads // nheads_kv)'s factor."""
+    d = np.asarray(descale, np.float32)
+    d = d if d.ndim == 2 else np.broadcast_to(d, (batch, 1))
+    return np.repeat(d, nheads // d.shape[1], axis=1)
+
+
+def fp8_dequantized(x8, descale):
+    """The float64 real values of e4m3 x8 (batch, seqlen, nheads, D) under a float32
+    (batch, nheads_kv) descale (q's too: FlashAttention-3 scales q per KV head)."""
+    d = _per_head(descale, x8.shape[0], x8.shape[2]).astype(np.float64)
+    return x8.astype(np.float64) * d[:, None, :, None]
+
+
+def fp8_attention_kernel_math(q8, k8, v8, q_descale, k_descale, v_descale, scale, *,
+                              causal=False, window=(-1, -1), p_scale=256.0):
+    """The FP8 forward's math with its roundings, in NumPy: the error that the FP8 kernels'
+    tolerance doubles (FlashAttention's rule).
+
+    q8 (batch, sq, H, D), k8 / v8 (batch, sk, Hkv, D) e4m3; descales float32 (batch, Hkv)
+    (or scalars), query head h using KV head h // (H // Hkv)'s, q's too. Per row, as
+    FlashAttention-3: S = (q8 . k8) accumulated in float32 (summation order not modelled),
+    times q_descale * k_descale * scale (float32); masks by ``visible``; m = the row max of
+    S (float32; the final one: an online softmax rounds a tile's P at the running max, the
+    same rounding statistically); P = p_scale * exp(S - m) in float32, rounded to e4m3
+    (nearest even, satfinite) for the PV GEMM; O = (P8 . v8) accumulated in float32, times
+    v_descale / l, l the float32 row sum of the *unrounded* P (what an online softmax
+    accumulates from its fp32 P).
+    p_scale: FlashAttention-3 subtracts Max_offset = 8 from the exp2 argument, P in [0, 256]
+    (hopper/softmax.h): e4m3 normals reach down to P = 2^-14 instead of 2^-6. It cancels in
+    O, and lse takes log(l / p_scale); p_scale=1 is P in [0, 1] (the seed's 8.9.6 sketch
+    scales P per tile by p_max / 448 instead; FA3 does not). Returns float32 out (batch,
+    sq, H, D) and lse (batch, H, sq), natural log; a row that sees no key: zeros and -inf.
+    """
+    batch, sq, nheads, _ = q8.shape
+    sk, nkv = k8.shape[1], k8.shape[2]
+    group = nheads // nkv
+    qd, kd, vd = (_per_head(d, batch, nheads) for d in (q_descale, k_descale, v_descale))
+    seen = visible(sq, sk, causal, window)
+    q, k, v = (x.astype(np.float32) for x in (q8, k8, v8))
+    out = np.zeros(q.shape, np.float32)
+    lse = np.full((batch, nheads, sq), -np.inf, np.float32)
+    for b in range(batch):
+        for h in range(nheads):
+            c = qd[b, h] * kd[b, h] * np.float32(scale)
+            s = np.where(seen, (q[b, :, h] @ k[b, :, h // group].T) * c, -np.inf)
+            m = s.max(axis=1, initial=-np.inf)
+            safe = np.where(np.isinf(m), np.float32(0), m)
+            p = np.float32(p_scale) * np.exp(s - safe[:, None])     # float32, 0 where masked
+            l = p.sum(axis=1, dtype=np.float32)
+            o = quantize_e4m3(p, 1.0).astype(np.float32) @ v[b, :, h // group]
+            with np.errstate(invalid="ignore", divide="ignore"):
+                out[b, :, h] = np.where(l[:, None] > 0, o * (1 / l[:, None] * vd[b, h]), 0)
+                lse[b, h] = np.where(l > 0, safe + np.log(l / np.float32(p_scale)), -np.inf)
+    return out, lse
 
 
 def _round_to(x, dtype):
