@@ -26,6 +26,7 @@ def test_wgmma_header_is_the_generators_output():
     gen = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gen)
     assert gen.HEADER.read_text() == gen.render(), "run python scripts/gen_wgmma.py"
+    assert gen.FP8_HEADER.read_text() == gen.render_fp8(), "run python scripts/gen_wgmma.py"
 
 
 # Every mask and split of the TMA forms (what calls reach; the tile rule gives hooked,
