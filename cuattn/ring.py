@@ -98,13 +98,13 @@ class RingForward:
         m = cupy.where(cupy.isneginf(m), 0, m)
         w_acc, w_new = cupy.exp(acc_lse - m), cupy.exp(lse - m)       # (b, h, rows)
         total = w_acc + w_new
-        inv = cupy.where(total > 0, 1 / cupy.where(total > 0, total, 1), 0)
+        seen = total > 0                                                # rows with a key
+        total = cupy.where(seen, total, 1)
 
         def rows(w):                                                    # (b, rows, h, 1)
-            return (w * inv).transpose(0, 2, 1)[..., None]
+            return (w / total).transpose(0, 2, 1)[..., None]
         acc_out[...] = acc_out * rows(w_acc) + out.astype(cupy.float32) * rows(w_new)
-        acc_lse[...] = cupy.where(total > 0, m + cupy.log(cupy.where(total > 0, total, 1)),
-                                  -cupy.inf)
+        acc_lse[...] = cupy.where(seen, m + cupy.log(total), -cupy.inf)
 
     def result(self):
         return self.out.astype(self.q.dtype), self.lse
@@ -119,7 +119,7 @@ def ring_backward_step(dout, q, k, v, out, lse, dq_acc, *, rank: int, source: in
     part = step_rows(rank, source, world, q.shape[1], causal)
     dq, dk_part, dv_part = flash_backward(
         dout[:, part.q], q[:, part.q], k[:, part.kv], v[:, part.kv], out[:, part.q],
-        cupy.ascontiguousarray(lse[:, :, part.q]), causal=part.causal,
+        lse[:, :, part.q], causal=part.causal,
         softmax_scale=softmax_scale)
     dq_acc[:, part.q] += dq
     dk = cupy.zeros(k.shape, cupy.float32)

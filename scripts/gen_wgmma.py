@@ -55,12 +55,12 @@ def _rs(n: int, ptx_t: str) -> str:   # B transposed (MN-major) unless TRANS_B i
     return _asm(n, ptx_t, [f'"r"(a[{i}])' for i in range(4)], "1, 1, %E", ['"n"(TRANS_B)'])
 
 
-def _ss_e4m3(n: int) -> str:   # e4m3 operands are K-major only (no transpose immediates)
-    return _asm(n, "e4m3", ['"l"(a)'], "1, 1", k_dim=32)
+def _ss_e4m3(n: int, ptx_t: str) -> str:   # 8-bit operands: K-major, no transpose immediates
+    return _asm(n, ptx_t, ['"l"(a)'], "1, 1", k_dim=32)
 
 
-def _rs_e4m3(n: int) -> str:
-    return _asm(n, "e4m3", [f'"r"(a[{i}])' for i in range(4)], "1, 1", k_dim=32)
+def _rs_e4m3(n: int, ptx_t: str) -> str:
+    return _asm(n, ptx_t, [f'"r"(a[{i}])' for i in range(4)], "1, 1", k_dim=32)
 
 
 def _members(n: int, ptx_t: str, forms) -> list[str]:
@@ -101,10 +101,10 @@ def render_fp8() -> str:
     ]
     k_major = '    static_assert({}, "e4m3 operands are K-major");'
     forms = (("ss", SS_NS, "  template <int TRANS_A = 0, int TRANS_B = 0>",
-              "unsigned long long a", lambda n, _: _ss_e4m3(n),
+              "unsigned long long a", _ss_e4m3,
               k_major.format("TRANS_A == 0 && TRANS_B == 0")),
              ("rs", RS_NS, "  template <int TRANS_B = 0>", "const unsigned (&a)[4]",
-              lambda n, _: _rs_e4m3(n), k_major.format("TRANS_B == 0")))
+              _rs_e4m3, k_major.format("TRANS_B == 0")))
     for n in sorted(set(SS_NS) | set(RS_NS)):
         out.append("")
         out.append(f"template <> struct Wgmma<__nv_fp8_e4m3, {n}> {{")

@@ -23,7 +23,7 @@ class DeviceInfo:
     sm_count: int
     smem_per_sm: int             # bytes of shared memory per multiprocessor
     smem_per_block_optin: int    # the most one block may be given (after opting in)
-    l2_bytes: int = 40 << 20     # the L2 cache
+    l2_bytes: int                # the L2 cache
 
 
 def _why_not(exc) -> str:
@@ -55,4 +55,4 @@ def device_info(device_id: int) -> DeviceInfo:
             "or newer (sm_80+: cp.async, bf16 mma.sync)")
     return DeviceInfo(device_id, name, "sm_" + cc, attrs["MultiProcessorCount"],
                       attrs.get("MaxSharedMemoryPerMultiprocessor", 100 * 1024),
-                      attrs["MaxSharedMemoryPerBlockOptin"], attrs.get("L2CacheSize", 40 << 20))
+                      attrs["MaxSharedMemoryPerBlockOptin"], attrs["L2CacheSize"])
