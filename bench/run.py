@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 SUITES = {"merge": "bench.suite_merge", "flash": "bench.suite_flash", "bwd": "bench.suite_bwd",
           "decode": "bench.suite_decode", "prefill": "bench.suite_prefill",
-          "host": "bench.suite_host", "cold": "bench.cold_start"}
+          "host": "bench.suite_host", "cold": "bench.cold_start", "fp8": "bench.suite_fp8"}
 
 
 def _has_gpu() -> bool:

@@ -37,13 +37,14 @@ def no_maps(ptrs: list) -> tuple:
     return (NO_MAPS, NO_SCHEDULE)
 
 
-_COLS = 64                           # a 128-byte swizzle row: 64 16-bit columns per box
+_ROW_BYTES = 128                     # a 128-byte swizzle row: the columns of a box
 _MAX_STRIDE = 1 << 40
 _KEEP = 16                           # pointer triples a plan keeps the maps of
 
 # cuda.h's enumerators for the maps below (tests/test_flash_sm90.py checks them against
 # cuda.bindings.driver's).
-DATA_TYPE = {"f16": 6, "bf16": 9}            # CU_TENSOR_MAP_DATA_TYPE_FLOAT16 / _BFLOAT16
+# CU_TENSOR_MAP_DATA_TYPE_FLOAT16 / _BFLOAT16 / _UINT8 (e4m3 bytes: TMA moves them as bytes)
+DATA_TYPE = {"f16": 6, "bf16": 9, "e4m3": 0}
 INTERLEAVE_NONE, L2_PROMOTION_256B, OOB_FILL_ZERO = 0, 3, 0
 SWIZZLE_NONE, SWIZZLE_32B, SWIZZLE_128B = 0, 1, 3
 # vLLM's V boxes hold at most this many keys (flash_fwd_sm90.cuh's VLLM_V_BOX)
@@ -123,7 +124,7 @@ class _Tensor:
         b, s, h, d = x.shape if x.ndim == 4 else (1,) + x.shape
         sb, ss, sh, _ = x.strides if x.ndim == 4 else (0,) + x.strides
         return cls((d, max(s, 1), h, b), _length_one_free(((ss, s), (sh, h), (sb, b))),
-                   (_COLS, box_rows, 1, 1))
+                   (_ROW_BYTES // x.itemsize, box_rows, 1, 1))
 
     @classmethod
     def vllm_k(cls, k, box_rows: int, head_dim: int) -> "_Tensor":

@@ -5,6 +5,10 @@ configuration). The head dim is compiled rounded up to a multiple of 32 and the 
 columns are zero-filled on load and never stored. Split-KV (``num_splits``) writes fp32
 partial outputs into scratch and merges them with the combine kernel of the same header.
 Calls go through cuattn._launch: the checks below run once per call signature.
+
+FP8 (FlashAttention-3's conventions): q, k, v of ml_dtypes.float8_e4m3fn run the Hopper
+kernel's e4m3 form (sm_90 only), with optional float32 (batch, nheads_kv) descales and a
+16-bit output (bfloat16 unless ``out_dtype`` says float16).
 """
 from __future__ import annotations
 
@@ -15,13 +19,14 @@ import numpy as np
 
 from . import _arrays as A
 from . import _tma, tuning
-from ._dtypes import activation_dtype
+from ._dtypes import BY_SHORT, FP8_E4M3, UINT8_E4M3, activation_dtype
 from ._hooks import alibi_stride, check_hooks, hook_fields
 from ._launch import (NULL, Launch, Plan, execute, on_device, plan_cache, plan_for,
                       returns)
 from .jit import device_info, get_kernel
 from .variants import (FEAT_SINKS, FLASH_PARAMS, MASK_CAUSAL, MASK_NONE, MASK_WINDOW,
                        FlashFwdSm90Variant)
+from .tuning import SM90_ARCH
 
 MAX_HEAD_DIM = 256
 _MAX_GRID_YZ = 65535
@@ -29,17 +34,26 @@ _INT32_MAX = 2**31 - 1
 _MAX_SEQLEN = 2**29     # keeps every band bound of the kernel inside int32
 
 _plans = plan_cache()
-_FIXED_NAMES = ("q", "k", "v", "alibi_slopes", "sinks", "out")
-_VARLEN_NAMES = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "alibi_slopes", "sinks", "out")
+_DESCALES = ("q_descale", "k_descale", "v_descale")
+_FIXED_NAMES = ("q", "k", "v", "alibi_slopes", "sinks") + _DESCALES + ("out",)
+_VARLEN_NAMES = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "alibi_slopes", "sinks") + \
+    _DESCALES + ("out",)
 
 
 def flash_forward(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1),
                   softcap=0.0, alibi_slopes=None, sinks=None, return_lse=False, num_splits=0,
+                  q_descale=None, k_descale=None, v_descale=None, out_dtype=None,
                   out=None, stream=None):
     """FlashAttention-2 forward.
 
     q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim),
-    float16 or bfloat16, any strides with a contiguous last dim. Causal is aligned to the
+    float16 or bfloat16, any strides with a contiguous last dim; or all three
+    ml_dtypes.float8_e4m3fn or uint8 bytes of e4m3 values (FP8, sm_90 devices: head dim a
+    multiple of 16, strides a
+    tensor map describes): their real values are the stored ones times ``q_descale``,
+    ``k_descale``, ``v_descale`` (float32 (batch, nheads_kv), default 1; query head h takes
+    its KV head's), and out is ``out_dtype`` (float16 or bfloat16, the default; 16-bit
+    inputs: their own dtype only). Causal is aligned to the
     bottom-right corner; ``window_size=(left, right)`` limits query i to keys
     i + sk - sq - left <= j <= i + sk - sq + right (-1 = unbounded). ``softcap``,
     ``alibi_slopes`` (float32 (nheads,)) and ``sinks`` (float32 (nheads,)) as
@@ -47,45 +61,63 @@ def flash_forward(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1,
     seqlen_q), natural log; a row that sees no key gives zeros and lse = -inf (with sinks:
     zeros and the sink).
     """
-    options = (causal, softmax_scale, window_size, softcap, return_lse, num_splits)
+    options = (causal, softmax_scale, window_size, softcap, return_lse, num_splits, out_dtype)
     plan, arrays, stream, ptrs = plan_for(
-        _plans, (q, k, v, alibi_slopes, sinks, out), _FIXED_NAMES, ("fixed",) + options,
-        lambda arrays: _fixed_plan(arrays, *options), stream, 3)
+        _plans, (q, k, v, alibi_slopes, sinks, q_descale, k_descale, v_descale, out),
+        _FIXED_NAMES, ("fixed",) + options, lambda arrays: _fixed_plan(arrays, *options),
+        stream, 3)
     return execute(plan, arrays, stream, ptrs)
 
 
 def flash_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                          causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
                          alibi_slopes=None, sinks=None, return_lse=False, num_splits=0,
+                         q_descale=None, k_descale=None, v_descale=None, out_dtype=None,
                          out=None, stream=None):
     """FlashAttention-2 forward over packed variable-length sequences.
 
     q: (total_q, nheads, headdim); k, v: (total_k, nheads_kv, headdim); cu_seqlens_q/k:
     int32 (batch + 1,) prefix sums on the device (not read by the host: max_seqlen_q/k must
-    bound every length); lse: float32 (nheads, total_q). Same options as flash_forward;
-    a sequence of length 0 is allowed.
+    bound every length); lse: float32 (nheads, total_q). Same options as flash_forward
+    (FP8 too: the descales (batch, nheads_kv), batch = len(cu_seqlens_q) - 1); a sequence
+    of length 0 is allowed.
     """
     options = (max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_size, softcap,
-               return_lse, num_splits)
+               return_lse, num_splits, out_dtype)
     plan, arrays, stream, ptrs = plan_for(
-        _plans, (q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, out), _VARLEN_NAMES,
+        _plans, (q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, q_descale,
+                 k_descale, v_descale, out), _VARLEN_NAMES,
         ("varlen",) + options, lambda arrays: _varlen_plan(arrays, *options), stream, 5)
     return execute(plan, arrays, stream, ptrs)
 
 
 # ---- checks ---------------------------------------------------------------------------------
 
-def _check_qkv(q, k, v, ndim: int, doc_q: str, doc_kv: str):
+def _check_qkv(q, k, v, ndim: int, doc_q: str, doc_kv: str, fp8: bool = False):
+    """q, k, v of one dtype: 16-bit, or (fp8: the forward) float8_e4m3fn."""
     A.check_ndim(q, ndim, "q", doc_q)
     A.check_ndim(k, ndim, "k", doc_kv)
     A.check_ndim(v, ndim, "v", doc_kv)
-    dtype = activation_dtype(q.dtype, "q")
-    A.check_dtype(k, q.dtype, "k")
-    A.check_dtype(v, q.dtype, "v")
+    is_fp8 = fp8 and q.dtype in (FP8_E4M3.numpy, UINT8_E4M3.numpy)
+    if is_fp8:
+        dtype = FP8_E4M3
+    elif fp8 and q.dtype not in (np.float16, BY_SHORT["bf16"].numpy):
+        raise TypeError(f"q: dtype {q.dtype} is not supported; expected float16, "
+                        "ml_dtypes.bfloat16 or ml_dtypes.float8_e4m3fn (or uint8 bytes "
+                        "holding e4m3 values)")
+    else:
+        dtype = activation_dtype(q.dtype, "q")
+    for name, x in (("k", k), ("v", v)):
+        if x.dtype != q.dtype:
+            raise TypeError(f"{name}: expected dtype {q.dtype} like q (no mixing of fp8 and "
+                            f"16-bit inputs), got {x.dtype}" if fp8 else
+                            f"{name}: expected dtype {q.dtype}, got {x.dtype}")
     head_dim = q.shape[-1]
-    if head_dim % 8 or not 8 <= head_dim <= MAX_HEAD_DIM:
-        raise ValueError(f"q: head dim {head_dim} is not supported; expected a multiple of 8 "
-                         f"from 8 to {MAX_HEAD_DIM}")
+    unit = 16 if is_fp8 else 8
+    if head_dim % unit or not unit <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"q: head dim {head_dim} is not supported; expected a multiple of "
+                         f"{unit} from {unit} to {MAX_HEAD_DIM}" +
+                         (" (float8_e4m3fn: 16-byte rows)" if is_fp8 else ""))
     if k.shape != v.shape:
         raise ValueError(f"v: expected the shape of k {tuple(k.shape)} {doc_kv}, "
                          f"got {tuple(v.shape)}")
@@ -153,20 +185,63 @@ def check_max_seqlens(max_seqlen_q, max_seqlen_k) -> tuple[int, int]:
     return int(max_seqlen_q), int(max_seqlen_k)
 
 
+def _check_fp8(dtype, out_dtype, descales, batch: int, nheads_kv: int, device_id: int,
+               qkv) -> tuple:
+    """An FP8 call's output dtype, descale fields and arguments (16-bit calls: their own
+    dtype, no descale); every bad option a ValueError / TypeError naming it."""
+    fp8 = dtype is FP8_E4M3
+    fields = {}
+    if not fp8:
+        for name, d in zip(_DESCALES, descales):
+            if d is not None:
+                raise ValueError(f"{name}: only for float8_e4m3fn q / k / v, got {dtype.numpy}")
+        if out_dtype is not None and np.dtype(out_dtype) != dtype.numpy:
+            raise ValueError(f"out_dtype: a {dtype.numpy} call writes {dtype.numpy}, got "
+                             f"{np.dtype(out_dtype)}")
+        return dtype, fields
+    try:
+        out = BY_SHORT["bf16"] if out_dtype is None else activation_dtype(out_dtype, "out_dtype")
+    except TypeError:
+        raise ValueError(f"out_dtype: an FP8 call writes float16 or ml_dtypes.bfloat16, got "
+                         f"{out_dtype}") from None
+    for name, d in zip(_DESCALES, descales):
+        stride = (0, 0)
+        if d is not None:
+            A.check_ndim(d, 2, name, "(batch, nheads_kv)")
+            A.check_shape(d, (batch, nheads_kv), name, "(batch, nheads_kv)")
+            A.check_dtype(d, np.float32, name)
+            A.check_same_device({name: d}, device_id)
+            A.check_aligned(d, 4, name)
+            stride = A.element_strides(d)
+        fields[f"{name}_stride_batch"], fields[f"{name}_stride_head"] = stride
+    device = device_info(device_id)
+    if device.arch != SM90_ARCH:
+        raise ValueError(f"q: float8_e4m3fn inputs run on Hopper (sm_90) GPUs only; this "
+                         f"device is {device.arch}")
+    for name, x in zip(("q", "k", "v"), qkv):
+        if not _tma.encodable("e4m3", (x, x, x)):
+            raise ValueError(f"{name}: float8_e4m3fn inputs are loaded by TMA, which needs "
+                             f"positive strides, multiples of 16 bytes, below 2**40; got "
+                             f"{x.strides}")
+    return out, fields
+
+
 def _fixed_plan(arrays, causal, softmax_scale, window_size, softcap, return_lse,
-                num_splits) -> Plan:
-    q, k, v, alibi_slopes, sinks, out = arrays
+                num_splits, out_dtype) -> Plan:
+    q, k, v, alibi_slopes, sinks, q_descale, k_descale, v_descale, out = arrays
     doc_q = "(batch, seqlen_q, nheads, headdim)"
     doc_kv = "(batch, seqlen_k, nheads_kv, headdim)"
-    dtype = _check_qkv(q, k, v, 4, doc_q, doc_kv)
+    dtype = _check_qkv(q, k, v, 4, doc_q, doc_kv, fp8=True)
     batch, sq, nheads, head_dim = q.shape
     sk = check_fixed_lengths(q, k)
     softmax_scale, left, right, num_splits, return_lse = _check_options(
         causal, softmax_scale, window_size, num_splits, return_lse, head_dim)
     device_id = q.device.id
     features, softcap = check_hooks(softcap, alibi_slopes, sinks, nheads, device_id, batch)
+    out_type, fp8_fields = _check_fp8(dtype, out_dtype, (q_descale, k_descale, v_descale),
+                                      batch, k.shape[-2], device_id, (q, k, v))
     if out is not None:
-        A.check_output(out, q.shape, q.dtype, "out", doc_q, device_id, align=16)
+        A.check_output(out, q.shape, out_type.numpy, "out", doc_q, device_id, align=16)
     os_ = A.element_strides_or_contiguous(out, q.shape)
     qs, ks, vs = (A.element_strides(x) for x in (q, k, v))
     lse_shape = (batch, nheads, sq)
@@ -177,22 +252,23 @@ def _fixed_plan(arrays, causal, softmax_scale, window_size, softcap, return_lse,
         v_stride_batch=vs[0], v_stride_row=vs[1], v_stride_head=vs[2],
         o_stride_batch=os_[0], o_stride_row=os_[1], o_stride_head=os_[2],
         lse_stride_batch=ls[0], lse_stride_head=ls[1], lse_stride_row=ls[2],
-        seqlen_q=sq, seqlen_k=sk, alibi_stride_batch=alibi_stride(alibi_slopes))
+        seqlen_q=sq, seqlen_k=sk, alibi_stride_batch=alibi_stride(alibi_slopes), **fp8_fields)
     return _plan(Call(
         device_id=device_id, dtype=dtype, q=q, nheads_kv=k.shape[-2], out=out,
-        lse_shape=lse_shape if return_lse else None, num_args=6, out_arg=5,
-        args=dict(q=0, k=1, v=2, alibi_slopes=3, sinks=4),
+        lse_shape=lse_shape if return_lse else None, num_args=9, out_arg=8,
+        args=dict(q=0, k=1, v=2, alibi_slopes=3, sinks=4, q_descale=5, k_descale=6,
+                  v_descale=7), out_dtype=out_type,
         softmax_scale=softmax_scale, left=left, right=right, num_splits=num_splits,
         features=features, softcap=softcap, batch=batch, max_sq=sq, max_sk=sk,
         total_q=batch * sq, fields=fields, qkv=(q, k, v)))
 
 
 def _varlen_plan(arrays, max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_size,
-                 softcap, return_lse, num_splits) -> Plan:
-    q, k, v, cu_q, cu_k, alibi_slopes, sinks, out = arrays
+                 softcap, return_lse, num_splits, out_dtype) -> Plan:
+    q, k, v, cu_q, cu_k, alibi_slopes, sinks, q_descale, k_descale, v_descale, out = arrays
     doc_q = "(total_q, nheads, headdim)"
     doc_kv = "(total_k, nheads_kv, headdim)"
-    dtype = _check_qkv(q, k, v, 3, doc_q, doc_kv)
+    dtype = _check_qkv(q, k, v, 3, doc_q, doc_kv, fp8=True)
     total_q, nheads, head_dim = q.shape
     _check_cu_seqlens(cu_q, "cu_seqlens_q")
     _check_cu_seqlens(cu_k, "cu_seqlens_k", cu_q.shape[0])
@@ -205,8 +281,10 @@ def _varlen_plan(arrays, max_seqlen_q, max_seqlen_k, causal, softmax_scale, wind
     device_id = q.device.id
     A.check_same_device({"cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k}, device_id)
     features, softcap = check_hooks(softcap, alibi_slopes, sinks, nheads, device_id, batch)
+    out_type, fp8_fields = _check_fp8(dtype, out_dtype, (q_descale, k_descale, v_descale),
+                                      batch, k.shape[-2], device_id, (q, k, v))
     if out is not None:
-        A.check_output(out, q.shape, q.dtype, "out", doc_q, device_id, align=16)
+        A.check_output(out, q.shape, out_type.numpy, "out", doc_q, device_id, align=16)
     os_ = A.element_strides_or_contiguous(out, q.shape)
     qs, ks, vs = (A.element_strides(x) for x in (q, k, v))
     lse_shape = (nheads, total_q)
@@ -217,12 +295,14 @@ def _varlen_plan(arrays, max_seqlen_q, max_seqlen_k, causal, softmax_scale, wind
         v_stride_batch=0, v_stride_row=vs[0], v_stride_head=vs[1],
         o_stride_batch=0, o_stride_row=os_[0], o_stride_head=os_[1],
         lse_stride_batch=0, lse_stride_head=ls[0], lse_stride_row=ls[1],
-        seqlen_q=max(total_q, 1), seqlen_k=0, alibi_stride_batch=alibi_stride(alibi_slopes))
+        seqlen_q=max(total_q, 1), seqlen_k=0, alibi_stride_batch=alibi_stride(alibi_slopes),
+        **fp8_fields)
     # Rows never covered by a sequence (past cu_seqlens_q[-1]) are not written.
     return _plan(Call(
         device_id=device_id, dtype=dtype, q=q, nheads_kv=k.shape[-2], out=out,
-        lse_shape=lse_shape if return_lse else None, num_args=8, out_arg=7,
-        args=dict(q=0, k=1, v=2, cu_seqlens_q=3, cu_seqlens_k=4, alibi_slopes=5, sinks=6),
+        lse_shape=lse_shape if return_lse else None, num_args=11, out_arg=10,
+        args=dict(q=0, k=1, v=2, cu_seqlens_q=3, cu_seqlens_k=4, alibi_slopes=5, sinks=6,
+                  q_descale=7, k_descale=8, v_descale=9), out_dtype=out_type,
         softmax_scale=softmax_scale, left=left, right=right,
         num_splits=num_splits, features=features, softcap=softcap, batch=batch,
         max_sq=max_seqlen_q, max_sk=max_seqlen_k, total_q=total_q, fields=fields,
@@ -261,6 +341,7 @@ class Call:
     pack: int = 1
     # (q, k, v) or (q, k_cache, v_cache), which the Hopper kernel may load by TMA
     qkv: tuple | None = None
+    out_dtype: object = None    # cuattn._dtypes entry of out (None: dtype's; FP8: 16-bit)
 
 
 def _mask_and_bounds(left: int, right: int, max_sq: int, max_sk: int) -> tuple[int, int, int]:
@@ -287,8 +368,10 @@ def _plan(c: Call) -> Plan:
         heads = f"nheads {nheads}" if c.pack == 1 else f"nheads_kv {grid_y}"
         raise ValueError(f"q: batch {c.batch} and {heads} must each be <= {_MAX_GRID_YZ} "
                          "(grid dimensions)")
+    out_type = c.out_dtype or c.dtype
+    fp8 = c.dtype is FP8_E4M3
     slots, outputs, returned_slots, result = returns(
-        c.num_args, [(c.out_arg if c.out is not None else None, c.q.shape, c.q.dtype)] +
+        c.num_args, [(c.out_arg if c.out is not None else None, c.q.shape, out_type.numpy)] +
         ([(None, c.lse_shape, np.float32)] if c.lse_shape is not None else []))
     out_slot, lse_slot = (returned_slots + (NULL,))[:2]
     vectors = ("q", "k", "v")
@@ -300,11 +383,19 @@ def _plan(c: Call) -> Plan:
     arch = device.arch
     # (a call with its own variant_for, paged_prefill, made this choice itself)
     tma = c.variant_for is None and c.qkv is not None and \
-        tuning.flash_path(arch, head_dim) == "wgmma" and _tma.encodable(c.dtype.short, c.qkv)
+        (fp8 or tuning.flash_path(arch, head_dim) == "wgmma") and \
+        _tma.encodable(c.dtype.short, c.qkv)
+    if fp8 and not tma:
+        raise ValueError("q: float8_e4m3fn inputs run on the Hopper kernel by TMA only "
+                         "(tuning.override forces another path)")
 
     def variant_for(split: bool):
         if c.variant_for is not None:
             return c.variant_for(split, mask)
+        if fp8:
+            return tuning.flash_sm90_variant(c.dtype.short, head_dim, mask=mask, split=split,
+                                             features=c.features, tma=True,
+                                             out=out_type.short)
         return tuning.flash_kernel_variant(c.dtype.short, head_dim, mask=mask, split=split,
                                            arch=arch, features=c.features, tma=tma,
                                            seqlen_q=c.max_sq)
@@ -357,7 +448,8 @@ def _plan(c: Call) -> Plan:
                                    counter_slot, kv=variant.kv, head_dim=variant.head_dim)
     fields = dict(k_stride_block=0, v_stride_block=0, k_stride_chunk=8, v_stride_dim=0,
                   bt_stride_seq=0, block_shift=0, max_blocks_per_seq=0, new_keys=0, v_scale=1.0,
-                  k_scales_stride=0, v_scales_stride=0, alibi_stride_batch=0)
+                  k_scales_stride=0, v_scales_stride=0, alibi_stride_batch=0,
+                  **{f"{n}_stride_{d}": 0 for n in _DESCALES for d in ("batch", "head")})
     fields.update(c.fields)
     tail = FLASH_PARAMS.tail(
         batch=c.batch, num_heads=nheads, head_group=nheads // c.nheads_kv, total_q=c.total_q,
@@ -370,7 +462,7 @@ def _plan(c: Call) -> Plan:
                            (variant.num_threads,), variant.dynamic_smem_bytes,
                            FLASH_PARAMS.dtype, ptr_slots, tail, extra)]
         if split and c.total_q * nheads > 0:
-            combine = tuning.flash_combine_variant(c.dtype.short, head_dim,
+            combine = tuning.flash_combine_variant(out_type.short, head_dim,
                                                    sinks=bool(c.features & FEAT_SINKS))
             rows_per_block = combine.num_threads // 32
             launches.append(Launch(get_kernel(combine, c.device_id),

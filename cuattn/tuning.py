@@ -273,9 +273,22 @@ FLASH_SM90_TILES_HEAVY = {
 FLASH_SM90_SHORT_CAUSAL = {64: 1024}
 
 
-def sm90_head_dim(head_dim: int) -> int:
-    """The head dim the Hopper kernel is compiled for: the real one rounded up to 64."""
-    return max(64, -(-head_dim // 64) * 64)
+# The FP8 form (e4m3 Q / K / V, flash_fwd_sm90.cuh's Traits::FP8), compiled for head dims of
+# whole 128-byte rows (128, 256: hd64 runs as 128, its tail columns zero). First choice (not
+# swept): 128 x 128 x 2 at hd128, as the 16-bit form; at hd256 a 64-key tile, the widest
+# whose V^T ring (128-key rows) leaves room for the 16-bit O tile (O cannot be staged in
+# the 1-byte Q tiles).
+FLASH_SM90_TILES_FP8 = {
+    128: FlashSm90Tiles(128, 128, 2),   # smem 161 KB
+    256: FlashSm90Tiles(128, 64, 2),    # smem 225 KB
+}
+
+
+def sm90_head_dim(head_dim: int, dtype: str = "bf16") -> int:
+    """The head dim the Hopper kernel is compiled for: the real one rounded up to 64 (e4m3:
+    to 128)."""
+    unit = 128 if dtype == "e4m3" else 64
+    return max(unit, -(-head_dim // unit) * unit)
 
 
 def flash_path(arch: str, head_dim: int) -> str:
@@ -293,13 +306,19 @@ def flash_path(arch: str, head_dim: int) -> str:
 
 def flash_sm90_variant(dtype: str, head_dim: int, *, mask: int, split: bool,
                        features: int = 0, tma: bool = False,
-                       seqlen_q: int | None = None, kv: int = KV_DENSE) -> FlashFwdSm90Variant:
+                       seqlen_q: int | None = None, kv: int = KV_DENSE,
+                       out: str = "") -> FlashFwdSm90Variant:
     """The Hopper forward kernel for a real head dim, a mask kind, split-KV or not, the
     call's FEAT_* bits, whether its producer loads by TMA (a call whose Q / K / V tensor
     maps describe, cuattn._tma.encodable) or by cp.async, and the call's (longest) query
     length (None: long). kv: dense K / V, or a paged cache (KV_PAGED_NHD / KV_PAGED_VLLM:
-    paged_prefill, by TMA) with the tiles of a dense call."""
-    hd = sm90_head_dim(head_dim)
+    paged_prefill, by TMA) with the tiles of a dense call. dtype e4m3 (the FP8 form, dense
+    and by TMA): ``out`` names the output's dtype (f16 / bf16)."""
+    hd = sm90_head_dim(head_dim, dtype)
+    if dtype == "e4m3":
+        t = _overrides.get("flash_sm90_tiles") or FLASH_SM90_TILES_FP8[hd]
+        return FlashFwdSm90Variant(dtype, hd, t.block_m, t.block_n, t.stages, mask, split,
+                                   features, tma, kv, out)
     short_causal = mask == MASK_CAUSAL and seqlen_q is not None and \
         seqlen_q <= FLASH_SM90_SHORT_CAUSAL.get(hd, 0)
     heavy = not tma or mask == MASK_WINDOW or features & (FEAT_SOFTCAP | FEAT_ALIBI) or \

@@ -19,7 +19,8 @@ FLASH_PARAMS = ParamsStruct("FlashFwdParams", [
     ("q", "ptr"), ("k", "ptr"), ("v", "ptr"), ("out", "out"), ("lse", "out"),
     ("oaccum", "out"), ("lseaccum", "out"), ("cu_seqlens_q", "ptr"), ("cu_seqlens_k", "ptr"),
     ("block_tables", "ptr"), ("seqused_k", "ptr"), ("alibi_slopes", "ptr"), ("sinks", "ptr"),
-    ("k_scales", "ptr"), ("v_scales", "ptr"),
+    ("k_scales", "ptr"), ("v_scales", "ptr"), ("q_descale", "ptr"), ("k_descale", "ptr"),
+    ("v_descale", "ptr"),
     ("q_stride_batch", "i64"), ("q_stride_row", "i64"), ("q_stride_head", "i64"),
     ("k_stride_batch", "i64"), ("k_stride_row", "i64"), ("k_stride_head", "i64"),
     ("v_stride_batch", "i64"), ("v_stride_row", "i64"), ("v_stride_head", "i64"),
@@ -34,6 +35,9 @@ FLASH_PARAMS = ParamsStruct("FlashFwdParams", [
     ("scale_log2", "f32"), ("softmax_scale_inv", "f32"), ("softcap_in", "f32"),
     ("softcap_out", "f32"), ("v_scale", "f32"), ("m_blocks", "i32"),
     ("k_scales_stride", "i32"), ("v_scales_stride", "i32"), ("alibi_stride_batch", "i32"),
+    ("q_descale_stride_batch", "i32"), ("q_descale_stride_head", "i32"),
+    ("k_descale_stride_batch", "i32"), ("k_descale_stride_head", "i32"),
+    ("v_descale_stride_batch", "i32"), ("v_descale_stride_head", "i32"),
 ])
 
 FLASH_BWD_PARAMS = ParamsStruct("FlashBwdParams", [
@@ -225,8 +229,8 @@ class FlashFwdVariant(Variant):
 @dataclass(frozen=True)
 class FlashFwdSm90Variant(Variant):
     """The Hopper forward kernel (cuda_src/flash_fwd_sm90.cuh): wgmma, compiled for sm_90a."""
-    dtype: str            # f16 / bf16
-    head_dim: int         # compiled head dim (a multiple of 64)
+    dtype: str            # f16 / bf16, or e4m3 (the FP8 form)
+    head_dim: int         # compiled head dim (a multiple of 64; e4m3: of 128)
     block_m: int          # 64 query rows per warpgroup
     block_n: int
     stages: int
@@ -235,6 +239,7 @@ class FlashFwdSm90Variant(Variant):
     features: int = 0     # FEAT_* bits but FEAT_PACK_GQA
     tma: bool = False     # the producer loads by TMA (tensor maps of Q / K / V), else cp.async
     kv: int = KV_DENSE    # dense K / V, or a paged cache (paged_prefill; by TMA only)
+    out: str = ""         # e4m3: the output's dtype (f16 / bf16); else "" (the inputs')
 
     op: ClassVar[str] = "flash_fwd_sm90"
     header: ClassVar[str] = "flash_fwd_sm90.cuh"
@@ -253,16 +258,27 @@ class FlashFwdSm90Variant(Variant):
                              f"without FEAT_PACK_GQA (got {self.features}), block_m and "
                              f"head_dim multiples of 64 (got {self.block_m}, {self.head_dim}), "
                              f"kv dense or paged by TMA (got {self.kv}, tma {self.tma})")
+        fp8 = self.dtype == "e4m3"
+        if (self.out not in ("f16", "bf16")) if fp8 else self.out != "":
+            raise ValueError(f"FlashFwdSm90Variant: out f16 / bf16 for e4m3, else '' "
+                             f"(got {self.out!r})")
+        if fp8 and (not self.tma or self.kv != KV_DENSE or self.head_dim % 128 or
+                    self.block_n % 32):
+            raise ValueError("FlashFwdSm90Variant: e4m3 loads dense K / V by TMA, head_dim a "
+                             f"multiple of 128 and block_n of 32 (got tma {self.tma}, kv "
+                             f"{self.kv}, {self.head_dim}, {self.block_n})")
 
     def name_parts(self):
         return (self.dtype, f"hd{self.head_dim}", f"bm{self.block_m}", f"bn{self.block_n}",
                 f"st{self.stages}") + (("tma",) if self.tma else ()) + \
             (_MASK_NAMES[self.mask],) + (("split",) if self.split else ()) + \
-            _KV_NAMES[self.kv] + _feature_parts(self.features)
+            _KV_NAMES[self.kv] + _feature_parts(self.features) + \
+            ((f"o{self.out}",) if self.out else ())
 
     def traits_args(self):
         return (BY_SHORT[self.dtype].cpp, self.head_dim, self.block_m, self.block_n,
-                self.stages, self.tma, self.mask, self.split, self.features, self.kv)
+                self.stages, self.tma, self.mask, self.split, self.features, self.kv) + \
+            ((BY_SHORT[self.out].cpp,) if self.out else ())
 
     @property
     def num_threads(self) -> int:
@@ -274,11 +290,16 @@ class FlashFwdSm90Variant(Variant):
 
     @property
     def dynamic_smem_bytes(self) -> int:
-        # 1024 B of alignment slack + Q tile + STAGES x (K tile + V tile), 2-byte elements,
-        # + the mbarriers + two 16-byte item slots, + an O tile where it fits in 227 KB and
-        # the kernel stores T (pinned to Traits::SMEM_BYTES)
-        without_o = 1024 + 2 * self.head_dim * (self.block_m + 2 * self.stages * self.block_n) + \
-            8 * (2 + 4 * self.stages) + 32
+        # 1024 B of alignment slack + Q tile + STAGES x (K tile + V tile (+ e4m3: a V^T tile
+        # of 128-key rows)) + the mbarriers (e4m3: 5 per stage) + two 16-byte item slots, +
+        # a 16-bit O tile where it fits in 227 KB and the kernel stores O (pinned to
+        # Traits::SMEM_BYTES)
+        fp8 = self.dtype == "e4m3"
+        elem = 1 if fp8 else 2
+        vt_tile = -(-self.block_n // 128) * 128 * self.head_dim if fp8 else 0
+        without_o = 1024 + elem * self.head_dim * self.block_m + \
+            self.stages * (2 * elem * self.head_dim * self.block_n + vt_tile) + \
+            8 * (2 + (5 if fp8 else 4) * self.stages) + 32
         o_tile = 2 * self.head_dim * self.block_m
         return without_o + (o_tile if not self.split and without_o + o_tile <= 227 * 1024 else 0)
 

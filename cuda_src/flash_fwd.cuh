@@ -65,6 +65,8 @@ template <typename T_, int HEAD_DIM_, int BLOCK_M_, int BLOCK_N_, int NUM_WARPS_
           int FEATURES_, bool FP8_>
 struct FlashFwdTraits : FlashFeatures<FEATURES_> {
   using T = T_;
+  using OutT = T_;                                      // the output's element
+  static constexpr int P_SHIFT = 0;                     // P = 2^P_SHIFT exp(S - max): WarpSoftmax
   static constexpr bool FP8 = FP8_;
   using C = typename CacheElem<FP8, T>::type;           // an element of the K/V source
   using Mask = BandMask<MASK_>;
@@ -567,7 +569,7 @@ struct WarpSoftmax {
             o_acc[mt][nt][2 * hr + 1] *= alpha;
           }
         }
-        st.sum += row_exp(s, mt, hr, b);
+        st.sum += row_exp(s, mt, hr, b - Tr::P_SHIFT);
       }
       if constexpr (Tr::EARLY_PACK) {
 #pragma unroll
@@ -595,7 +597,7 @@ struct WarpSoftmax {
         const float mx = TILE_MAX ? quad_max(fmaxf(st.max, tile_max[mt][hr])) : row_max(s, mt, hr);
         const float b = SoftmaxState::base<MAY_BE_EMPTY>(mx, scale);
         alpha[mt][hr] = st.rescale(mx, scale, b);
-        st.sum += row_exp(s, mt, hr, b);
+        st.sum += row_exp(s, mt, hr, b - Tr::P_SHIFT);
       }
     }
   }
@@ -636,15 +638,28 @@ struct WarpSoftmax {
     return sum;
   }
 
-  // P of k16 step kk of m16 tile mt, packed to T: the A operand of O += P V.
+  // P of k16 step kk of m16 tile mt, packed to T: the A operand of O += P V. e4m3 (the
+  // Hopper kernel's FP8 form): k32 step kk from n8 tiles 4 kk .. 4 kk + 3, register 0 the
+  // row-g values of tiles 4 kk and 4 kk + 1, register 1 their row-g + 8 values, registers 2
+  // and 3 likewise of tiles 4 kk + 2 and 4 kk + 3: the A fragment's logical keys 4 t4 .. of
+  // each 16 are then the accumulator's keys 2 t4, 2 t4 + 1, 8 + 2 t4, 9 + 2 t4, the order in
+  // which flash_fwd_sm90.cuh's transpose_v writes V^T's keys.
   static __device__ __forceinline__ void pack_p(u32 (&pf)[4],
                                                 const float (&s)[M_TILES][Tr::S_N_TILES][4],
                                                 int mt, int kk) {
     using T = typename Tr::T;
-    pf[0] = pack_pair<T>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
-    pf[1] = pack_pair<T>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
-    pf[2] = pack_pair<T>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
-    pf[3] = pack_pair<T>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+    if constexpr (sizeof(T) == 1) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int nt = 4 * kk + 2 * (r / 2), e = 2 * (r % 2);
+        pf[r] = pack_e4m3x4(s[mt][nt][e], s[mt][nt][e + 1], s[mt][nt + 1][e], s[mt][nt + 1][e + 1]);
+      }
+    } else {
+      pf[0] = pack_pair<T>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+      pf[1] = pack_pair<T>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+      pf[2] = pack_pair<T>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+      pf[3] = pack_pair<T>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+    }
   }
 
   // Whole rows: the quad's parts of each sum added, each row's normaliser and lse. With
@@ -665,8 +680,12 @@ struct WarpSoftmax {
         SoftmaxState& st = row[mt][hr];
         st.sum += __shfl_xor_sync(0xffffffffu, st.sum, 1);
         st.sum += __shfl_xor_sync(0xffffffffu, st.sum, 2);
+        // (P_SHIFT: the sum and the accumulator carry 2^P_SHIFT; the state takes the true sum)
+        constexpr float P_UNIT = 1.f / (1 << Tr::P_SHIFT);
+        if constexpr (Tr::P_SHIFT != 0) st.sum *= P_UNIT;
         const float alpha = WITH_SINKS ? st.add_sink(sink[mt][hr], scale) : 1.f;
         r.inv_sum[mt][hr] = alpha * st.inv_sum();
+        if constexpr (Tr::P_SHIFT != 0) r.inv_sum[mt][hr] *= P_UNIT;
         r.lse[mt][hr] = st.lse(scale);
       }
     }
@@ -718,7 +737,7 @@ __device__ __forceinline__ void store_output(
     const float (&o_acc)[Tr::M_TILES][Tr::O_N_TILES][4], u32 smem_o, int b,
     const QueryRows<Tr::PACK_GQA>& qrows, int num_rows, const SeqRange& qr, int m0, int warp,
     int lane, int g, int t4, int head_dim_chunks) {
-  using T = typename Tr::T;
+  using T = typename Tr::OutT;
   constexpr int D_CHUNKS = Tr::D_CHUNKS;
   // The warp's last ldmatrix of Q read these rows (in the key loop, or before it when the
   // loop ran no tile and so no barrier came between): order those reads before the writes.

@@ -18,6 +18,7 @@
 #pragma once
 #include "flash_fwd.cuh"
 #include "common/wgmma.cuh"
+#include "common/wgmma_fp8_ops.cuh"
 
 namespace cuattn {
 
@@ -27,10 +28,13 @@ namespace cuattn {
 // producer loads by tensor map (FlashTmaMaps), else by cp.async; KV: dense K / V, or a paged
 // cache (paged_prefill: by TMA, a box per cache block), NHD (kKvPagedNhd) or vLLM's layout
 // (kKvPagedVllm, its K and V tiles laid out as their boxes land them: Shared memory below).
+// T: fp16 / bf16, or e4m3 (the FP8 form: Q, K and V of one byte, OutT the output's 16-bit
+// type; below).
 template <typename T_, int HEAD_DIM_, int BLOCK_M_, int BLOCK_N_, int STAGES_, bool TMA_,
-          int MASK_, bool SPLIT_, int FEATURES_, int KV_>
+          int MASK_, bool SPLIT_, int FEATURES_, int KV_, typename OutT_ = T_>
 struct FlashFwdSm90Traits : FlashFeatures<FEATURES_> {
   using T = T_;
+  using OutT = OutT_;
   using Mask = BandMask<MASK_>;
   static constexpr int HEAD_DIM = HEAD_DIM_;
   static constexpr int BLOCK_M = BLOCK_M_;
@@ -40,6 +44,17 @@ struct FlashFwdSm90Traits : FlashFeatures<FEATURES_> {
   static constexpr bool SPLIT = SPLIT_;
   static constexpr bool PAGED = KV_ != kKvDense;
   static constexpr bool VLLM = KV_ == kKvPagedVllm;
+  // FP8 (FlashAttention-3's FP8 forward): S = Q K^T and O += P V on e4m3 wgmma (k32), fp32
+  // accumulators and softmax. The e4m3 wgmma reads only K-major B operands, so the producer
+  // warpgroup transposes each V tile, landed by TMA in the V ring, into a V^T ring
+  // ([dim][key], transpose_v) for the consumers; P = 2^P_SHIFT exp(S - max) (FlashAttention-3's
+  // Max_offset: P in [0, 256], e4m3 normals reach down to 2^-14 of the row max; WarpSoftmax
+  // divides the factor out of the sum and the accumulator), packed to e4m3 in registers.
+  // Dense K / V by TMA only; the head dim a multiple of 128 (whole 128-byte rows).
+  static constexpr bool FP8 = sizeof(T_) == 1;
+  static constexpr int ELEM = sizeof(T_);
+  static constexpr int COLS = 128 / ELEM;       // columns of a 128-byte-swizzled column block
+  static constexpr int P_SHIFT = FP8 ? 8 : 0;
 
   // Warpgroup 0 produces; warpgroups 1 .. NUM_WG compute, 64 query rows each.
   static constexpr int NUM_WG = BLOCK_M / 64;
@@ -53,15 +68,15 @@ struct FlashFwdSm90Traits : FlashFeatures<FEATURES_> {
   // varlen schedule (FETCH_VARLEN: only where two consumer warpgroups leave it the
   // registers) need 40; the consumers take what the launch's pool leaves (LAUNCH_REGS below).
   static constexpr bool FETCH_VARLEN = TMA && NUM_WG < 3;
-  static constexpr int PRODUCER_REGS = TMA && NUM_WG == 3 ? 32 : 40;
-  static constexpr int CONSUMER_REGS = NUM_WG == 3 ? (TMA ? 160 : 152) : 232;
+  static constexpr int PRODUCER_REGS = FP8 ? 56 : TMA && NUM_WG == 3 ? 32 : 40;
+  static constexpr int CONSUMER_REGS = NUM_WG == 3 ? (TMA ? 160 : 152) : FP8 ? 224 : 232;
   // What flash_fwd.cuh's parts read: each consumer warp owns one m16 tile of rows.
   static constexpr int WARP_M = 16;
   static constexpr int M_TILES = 1;
-  static constexpr int D_CHUNKS = HEAD_DIM / 8;       // 16-byte chunks per row
-  static constexpr int QK_K_STEPS = HEAD_DIM / 16;    // k16 steps of S = Q K^T
+  static constexpr int D_CHUNKS = HEAD_DIM / 8;       // 16-byte chunks per 16-bit row (O's)
+  static constexpr int QK_K_STEPS = HEAD_DIM * ELEM / 32;   // k16 (e4m3: k32) steps of S = Q K^T
   static constexpr int S_N_TILES = BLOCK_N / 8;
-  static constexpr int PV_K_STEPS = BLOCK_N / 16;     // k16 steps of O += P V
+  static constexpr int PV_K_STEPS = BLOCK_N * ELEM / 32;    // k16 (k32) steps of O += P V
   static constexpr int O_N_TILES = HEAD_DIM / 8;
   static constexpr bool BRANCH_FREE_RESCALE = true;
   static constexpr int Q_LOADS_PER_LANE = WARP_M * D_CHUNKS / 32;   // the output store
@@ -77,17 +92,21 @@ struct FlashFwdSm90Traits : FlashFeatures<FEATURES_> {
   // memory for 16-byte stores: through a tile of its own where the block's 227 KB hold one
   // (O_TILE), so that the next row tile's Q loads under it; else through the Q tiles (O_IN_Q:
   // hd256), which are then released only after the epilogue. (SPLIT stores fp32 partials
-  // straight from the accumulators: neither.)
-  static constexpr int WG_Q_BYTES = 64 * HEAD_DIM * 2;
-  static constexpr int Q_BYTES = BLOCK_M * HEAD_DIM * 2;
-  static constexpr int KV_TILE_BYTES = BLOCK_N * HEAD_DIM * 2;
-  static constexpr int O_BYTES = Q_BYTES;
-  static constexpr int BAR_BYTES = 8 * (2 + 4 * STAGES);
+  // straight from the accumulators: neither.) FP8: the V^T ring follows the V ring (tiles of
+  // HEAD_DIM rows of 128 keys per 128-byte column block), its V-raw full barriers (TMA
+  // landed) the other mbarriers; O (16-bit) is twice Q's bytes, so it takes an O tile.
+  static constexpr int WG_Q_BYTES = 64 * HEAD_DIM * ELEM;
+  static constexpr int Q_BYTES = BLOCK_M * HEAD_DIM * ELEM;
+  static constexpr int KV_TILE_BYTES = BLOCK_N * HEAD_DIM * ELEM;
+  static constexpr int VT_TILE_BYTES = FP8 ? (BLOCK_N + 127) / 128 * 128 * HEAD_DIM : 0;
+  static constexpr int O_BYTES = BLOCK_M * HEAD_DIM * 2;
+  static constexpr int BAR_BYTES = 8 * (2 + (FP8 ? 5 : 4) * STAGES);
   static constexpr int SLOT_BYTES = 2 * 16;   // the fetched schedule's ring of two items
-  static constexpr int SMEM_NO_O =
-      1024 + Q_BYTES + 2 * STAGES * KV_TILE_BYTES + BAR_BYTES + SLOT_BYTES;
+  static constexpr int SMEM_NO_O = 1024 + Q_BYTES +
+      STAGES * (2 * KV_TILE_BYTES + VT_TILE_BYTES) + BAR_BYTES + SLOT_BYTES;
   static constexpr bool O_TILE = !SPLIT && SMEM_NO_O + O_BYTES <= 227 * 1024;
   static constexpr bool O_IN_Q = !SPLIT && !O_TILE;
+  static_assert(!O_IN_Q || Q_BYTES >= O_BYTES, "O staged in the Q tiles: they must hold it");
   static constexpr int SMEM_BYTES = SMEM_NO_O + (O_TILE ? O_BYTES : 0);
   // A full barrier's arrivals: the one TMA-issuing thread (its expect_tx carries the bytes),
   // or every producer thread (cp.async.mbarrier.arrive once its copies landed).
@@ -124,8 +143,11 @@ struct FlashFwdSm90Traits : FlashFeatures<FEATURES_> {
                      : (ROWS * D_CHUNKS + PRODUCER_THREADS - 1) / PRODUCER_THREADS;
   }
 
-  static_assert(sizeof(T) == 2, "fp16 / bf16 only");
-  static_assert(HEAD_DIM % 64 == 0 && HEAD_DIM <= 256, "head dim: whole 128-byte column blocks");
+  static_assert(sizeof(T) == 2 || FP8, "fp16 / bf16, or e4m3");
+  static_assert(sizeof(OutT) == 2 && (FP8 || sizeof(OutT) == sizeof(T)), "a 16-bit output");
+  static_assert(HEAD_DIM % COLS == 0 && HEAD_DIM <= 256, "head dim: whole 128-byte column blocks");
+  static_assert(!FP8 || (TMA_ && KV_ == kKvDense && BLOCK_N % 32 == 0),
+                "FP8: dense K / V by TMA, key tiles of whole k32 steps");
   static_assert(BLOCK_M % 64 == 0 && BLOCK_M <= 192, "one to three consumer warpgroups");
   static_assert(BLOCK_N % 16 == 0 && BLOCK_N <= 256, "wgmma N of S = Q K^T");
   // The block launches with LAUNCH_REGS registers per thread (min_blocks 1: ptxas takes all
@@ -207,21 +229,24 @@ struct FlashTmaMaps {
 };
 
 // The block's shared memory from its 1024-aligned base (Tr::SMEM_BYTES' layout): the Q
-// tiles, the K ring, the V ring, the O tile (Tr::O_TILE; else O is staged in the Q tiles),
+// tiles, the K ring, the V ring (FP8: and the V^T ring), the O tile (Tr::O_TILE; else O is staged in the Q tiles),
 // then the pipeline's mbarriers: Q full, Q empty, then per stage K full, K empty, V full,
-// V empty; then the two slots of a fetched schedule's items.
+// V empty (FP8: then per stage V raw full; V full / empty are then the V^T ring's); then the
+// two slots of a fetched schedule's items.
 template <typename Tr>
 struct Sm90Smem {
   u32 q;
   __device__ u32 k_tile(int s) const { return q + Tr::Q_BYTES + s * Tr::KV_TILE_BYTES; }
   __device__ u32 v_tile(int s) const { return k_tile(Tr::STAGES + s); }
-  __device__ u32 o_stage() const { return Tr::O_TILE ? v_tile(Tr::STAGES) : q; }
-  __device__ u32 q_full() const { return v_tile(Tr::STAGES) + (Tr::O_TILE ? Tr::O_BYTES : 0); }
+  __device__ u32 vt_tile(int s) const { return v_tile(Tr::STAGES) + s * Tr::VT_TILE_BYTES; }
+  __device__ u32 o_stage() const { return Tr::O_TILE ? vt_tile(Tr::STAGES) : q; }
+  __device__ u32 q_full() const { return vt_tile(Tr::STAGES) + (Tr::O_TILE ? Tr::O_BYTES : 0); }
   __device__ u32 q_empty() const { return q_full() + 8; }
   __device__ u32 k_full(int s) const { return q_full() + 8 * (2 + s); }
   __device__ u32 k_empty(int s) const { return q_full() + 8 * (2 + Tr::STAGES + s); }
   __device__ u32 v_full(int s) const { return q_full() + 8 * (2 + 2 * Tr::STAGES + s); }
   __device__ u32 v_empty(int s) const { return q_full() + 8 * (2 + 3 * Tr::STAGES + s); }
+  __device__ u32 v_raw_full(int s) const { return q_full() + 8 * (2 + 4 * Tr::STAGES + s); }
   __device__ u32 item_slot(int i) const { return q_full() + Tr::BAR_BYTES + 16 * i; }
 };
 
@@ -284,6 +309,13 @@ __device__ __forceinline__ void copy_paged_tile(u32 dst, const FlashFwdParams& p
     }
     cp_async_16(dst + sw128_offset<BN>(r, ch), src, ok ? 16 : 0);
   }
+}
+
+// FP8: the descale of (batch entry b, KV head kvh) (FlashAttention-3's (batch, nheads_kv)
+// float32 arrays), 1 where the call gave none.
+__device__ __forceinline__ float descale_of(const void* d, int stride_batch, int stride_head,
+                                            int b, int kvh) {
+  return d == nullptr ? 1.f : static_cast<const float*>(d)[b * stride_batch + kvh * stride_head];
 }
 
 // Whether the call packs its sequences' query rows (cu_seqlens_q): every paged call does.
@@ -467,6 +499,55 @@ struct RingSlot {
       : stage(step % Tr::STAGES), phase((step / Tr::STAGES) & 1) {}
 };
 
+// FP8: ring step `step`'s V tile ([key][dim], landed in its V ring stage) transposed by the
+// producer warpgroup into the stage of the V^T ring ([dim][key], 128-byte-swizzled rows of
+// 128 keys), the K-major B operand of O += P V; keys at or past `keys` (the tile's keys
+// inside the sequence) zero, so that P = 0 never meets a non-finite value past a varlen
+// sequence. The keys of each 16 go in the order WarpSoftmax::pack_p packs P: logical key
+// 4 c + {0, 1, 2, 3} is key 2 c + {0, 1, 8, 9} (keys are the contraction index: the same
+// permutation of P's columns and V^T's leaves O unchanged). Per warp, a block of 16 keys x
+// 32 dims at a time: ldmatrix.trans of its four 8-key x 16-byte matrices gives lane l keys
+// 2 (l % 4), +1 (and +8, +9) of dims 2 (l / 4), +1; two byte permutes make each dim's four
+// keys, and stmatrix writes them, the rows of its matrices chosen so that no two of one
+// matrix share a bank group (even-row matrix: dims 0, 2, 4, 6, 9, 11, 13, 15). Then the V^T
+// full arrival (its stage's wait for the consumers to free it first).
+template <typename Tr>
+__device__ __forceinline__ void transpose_v(Sm90Smem<Tr> sm, int step, int keys, int ptid) {
+  constexpr int BN = Tr::BLOCK_N, KEY_GROUPS = BN / 16, OPS = KEY_GROUPS * (Tr::HEAD_DIM / 32);
+  const RingSlot<Tr> slot(step);
+  const int s = slot.stage;
+  mbar_wait(sm.v_raw_full(s), slot.phase);
+  mbar_wait(sm.v_empty(s), slot.phase ^ 1);
+  const int lane = ptid % 32, j = lane / 8, i = lane % 8;
+  // lane l's row of loaded matrix j: key 8 (j % 2) + i, chunk j / 2 of the 16 keys x 32 dims;
+  // its row of stored matrix j: dim 16 (j / 2) + 2 i (+1: the odd matrices' rows 0-3 and the
+  // even ones' rows 4-7)
+  const int ld_key = 8 * (j % 2) + i, ld_chunk = j / 2;
+  const int st_dim = 16 * (j / 2) + 2 * i + ((i < 4) != (j % 2 == 0) ? 1 : 0);
+  const u32 sel_even = lane < 16 ? 0x6420u : 0x7531u, sel_odd = sel_even ^ 0x1111u;
+#pragma unroll 1
+  for (int op = ptid / 32; op < OPS; op += Tr::PRODUCER_THREADS / 32) {
+    const int kg = op % KEY_GROUPS, d0 = 32 * (op / KEY_GROUPS);
+    u32 r[4];
+    ldmatrix_x4_trans(r, sm.v_tile(s) + sw128_offset<BN>(16 * kg + ld_key, d0 / 16 + ld_chunk));
+    if (keys < BN) {   // this lane's keys 16 kg + 2 (l % 4) + {0, 1} (r[0], r[2]), + {8, 9}
+      const int k = 16 * kg + 2 * (lane % 4);
+      const u32 lo = (k < keys ? 0xffffu : 0u) | (k + 1 < keys ? 0xffff0000u : 0u);
+      const u32 hi = (k + 8 < keys ? 0xffffu : 0u) | (k + 9 < keys ? 0xffff0000u : 0u);
+      r[0] &= lo;
+      r[2] &= lo;
+      r[1] &= hi;
+      r[3] &= hi;
+    }
+    const u32 out[4] = {__byte_perm(r[0], r[1], sel_even), __byte_perm(r[0], r[1], sel_odd),
+                        __byte_perm(r[2], r[3], sel_even), __byte_perm(r[2], r[3], sel_odd)};
+    stmatrix_x4(sm.vt_tile(s) + sw128_offset<Tr::HEAD_DIM>(d0 + st_dim, kg), out);
+  }
+  fence_proxy_async();   // V^T's generic-proxy writes (and V's reads) before wgmma (and TMA)
+  named_barrier_sync(Tr::PRODUCER_BARRIER, Tr::PRODUCER_THREADS);
+  if (ptid == 0) mbar_arrive(sm.v_full(s));
+}
+
 // The TMA producer (the producer warpgroup, thread ptid; thread 0 issues the Q and K copies,
 // thread V_ISSUER the V copies), per tile of the schedule: K_0, then Q once the consumers
 // freed the last tile's (K_0's stage frees before Q does), then V_0, K_1, V_1, ..., each K /
@@ -483,7 +564,7 @@ __device__ __forceinline__ void tma_produce(const FlashFwdParams& p, const Flash
                                             const FlashSm90Schedule& sched, Sm90Smem<Tr> sm,
                                             int ptid) {
   using T = typename Tr::T;
-  constexpr int BN = Tr::BLOCK_N, COL_BLOCKS = Tr::HEAD_DIM / 64;
+  constexpr int BN = Tr::BLOCK_N, COL_BLOCKS = Tr::HEAD_DIM / Tr::COLS;
   // (varlen forms without a fetched schedule: the block's own tile, grid_item's first)
   constexpr bool FETCH = VARLEN && Tr::FETCH_VARLEN, ONE = VARLEN && !Tr::FETCH_VARLEN;
   auto next = [&](unsigned k, unsigned& m_block, unsigned& head, unsigned& z) {
@@ -500,7 +581,7 @@ __device__ __forceinline__ void tma_produce(const FlashFwdParams& p, const Flash
 #pragma unroll
         for (int cb = 0; cb < COL_BLOCKS; ++cb) {
           tma_load_4d(sm.q + wg * Tr::WG_Q_BYTES + cb * (64 * 128), maps.q, sm.q_full(),
-                      cb * 64, blk.qr.start + blk.m0 + wg * 64, blk.head, batch);
+                      cb * Tr::COLS, blk.qr.start + blk.m0 + wg * 64, blk.head, batch);
         }
       }
     };
@@ -511,6 +592,15 @@ __device__ __forceinline__ void tma_produce(const FlashFwdParams& p, const Flash
     // edge copy). NHD (maps of (head dim, slot, KV head, cache block)): a box per 64-column
     // block; VLLM (5-d maps of (a row's keys, its column chunk or dim, key group, KV head,
     // cache block), cuattn/_tma.py): one box of every column, V's of v_box_rows keys.
+    // load_rows: a dense tile's boxes (the maps' bounds zero-fill rows past the tensor).
+    auto load_rows = [&](u32 tile, const TmaDescriptor& map, u32 full, int key0) {
+      mbar_arrive_expect_tx(full, Tr::KV_TILE_BYTES);
+#pragma unroll
+      for (int cb = 0; cb < COL_BLOCKS; ++cb) {
+        tma_load_4d(tile + cb * (BN * 128), map, full, cb * Tr::COLS, blk.kr.start + key0,
+                    blk.kvh, batch);
+      }
+    };
     auto tma_tile = [&](u32 tile, const TmaDescriptor& map, u32 full, u32 empty, int phase,
                         int key0, bool v) {
       mbar_wait(empty, phase ^ 1);
@@ -520,7 +610,7 @@ __device__ __forceinline__ void tma_produce(const FlashFwdParams& p, const Flash
         const int shift = Tr::VLLM ? value_now(p.block_shift) : p.block_shift;
         const int box = v ? Tr::v_box_rows(shift) : Tr::box_rows(shift);
         const int boxes = (min(BN, blk.kr.len - key0) + box - 1) / box;   // <= BN / 8 <= 32
-        if (lane == 0) mbar_arrive_expect_tx(full, boxes * box * (Tr::HEAD_DIM * 2));
+        if (lane == 0) mbar_arrive_expect_tx(full, boxes * box * (Tr::HEAD_DIM * Tr::ELEM));
         __syncwarp();
         if (lane < boxes) {
           const int key = key0 + lane * box;
@@ -538,12 +628,7 @@ __device__ __forceinline__ void tma_produce(const FlashFwdParams& p, const Flash
           }
         }
       } else {
-        mbar_arrive_expect_tx(full, Tr::KV_TILE_BYTES);
-#pragma unroll
-        for (int cb = 0; cb < COL_BLOCKS; ++cb) {
-          tma_load_4d(tile + cb * (BN * 128), map, full, cb * 64, blk.kr.start + key0, blk.kvh,
-                      batch);
-        }
+        load_rows(tile, map, full, key0);
       }
     };
     const KeyTiles& tiles = blk.tiles;
@@ -575,7 +660,16 @@ __device__ __forceinline__ void tma_produce(const FlashFwdParams& p, const Flash
       // a deadlock (waiting every step: seen under racecheck, bench/NOTES.md "Session 7").
       // (Paged: warp 1's other lanes wait too, at TMA steps only, with V_ISSUER: tma_tile's
       // __syncwarp keeps them at its step, so they never fall behind.)
-      if (VARLEN && key0 + BN > blk.kr.len) {
+      if constexpr (Tr::FP8) {
+        // V into the V ring (its stage freed by this warpgroup's transpose of step n -
+        // STAGES, which ended at the producer barrier), then the transpose of step n - 1
+        // while it lands
+        if (ptid == 0) load_rows(sm.v_tile(s), maps.v, sm.v_raw_full(s), key0);
+        if (n > 0) {
+          transpose_v<Tr>(sm, blk.first_step + n - 1, blk.kr.len - tiles.tile_of(n - 1) * BN,
+                          ptid);
+        }
+      } else if (VARLEN && key0 + BN > blk.kr.len) {
         if (ptid == V_ISSUER) mbar_wait(sm.v_empty(s), slot.phase ^ 1);
         named_barrier_sync(Tr::PRODUCER_BARRIER, Tr::PRODUCER_THREADS);   // the stage is free
         if constexpr (Tr::PAGED) {
@@ -593,6 +687,12 @@ __device__ __forceinline__ void tma_produce(const FlashFwdParams& p, const Flash
         if (ptid == V_ISSUER) mbar_arrive(sm.v_full(s));
       } else if (v_warp) {
         tma_tile(sm.v_tile(s), maps.v, sm.v_full(s), sm.v_empty(s), slot.phase, key0, true);
+      }
+    }
+    if constexpr (Tr::FP8) {
+      if (tiles.n_steps > 0) {
+        const int last = tiles.n_steps - 1;
+        transpose_v<Tr>(sm, blk.first_step + last, blk.kr.len - tiles.tile_of(last) * BN, ptid);
       }
     }
   });
@@ -669,6 +769,7 @@ __device__ void flash_fwd_sm90_kernel(const FlashFwdParams& p, const FlashTmaMap
       mbar_init(sm.v_full(s), Tr::FULL_ARRIVALS);
       mbar_init(sm.k_empty(s), Tr::CONSUMER_THREADS);
       mbar_init(sm.v_empty(s), Tr::CONSUMER_THREADS);
+      if constexpr (Tr::FP8) mbar_init(sm.v_raw_full(s), 1);
     }
     fence_mbar_init();
   }
@@ -685,7 +786,7 @@ __device__ void flash_fwd_sm90_kernel(const FlashFwdParams& p, const FlashTmaMap
       }
       if (varlen_call<Tr>(p)) {   // (varlen: a fetched schedule, where FETCH_VARLEN)
         tma_produce<Tr, true>(p, maps, sched, sm, tid);
-      } else if (tid == 0) {
+      } else if (Tr::FP8 || tid == 0) {   // (FP8: the whole warpgroup transposes V)
         tma_produce<Tr, false>(p, maps, sched, sm, tid);
       }
     } else {
@@ -732,7 +833,10 @@ __device__ void flash_fwd_sm90_kernel(const FlashFwdParams& p, const FlashTmaMap
     }
   };
   auto v_desc = [&](int s, int kk) {
-    if constexpr (Tr::VLLM) {
+    if constexpr (Tr::FP8) {   // V^T: k32 step kk 32 bytes into its 128-key column block
+      return desc_advance(sw128_desc(sm.vt_tile(s)),
+                          (kk / 4) * (Tr::HEAD_DIM * 128) + (kk % 4) * 32);
+    } else if constexpr (Tr::VLLM) {
       return desc_advance(v_fmt, sm.v_tile(s) + kk * 2 * GROUP_BYTES);
     } else {
       return desc_advance(sw128_desc(sm.v_tile(s), BN * 128), kk * (16 * 128));
@@ -774,8 +878,15 @@ __device__ void flash_fwd_sm90_kernel(const FlashFwdParams& p, const FlashTmaMap
     float alpha[1][2];
     // Softcap leaves scores as t = tanh(s x cap_in), in units of cap_out: the softmax scale,
     // the ALiBi slope and the sink logit take the factor instead of every score (one FMUL
-    // fewer per score: bench/NOTES.md, "Softcap on the Hopper kernel").
-    const float unit = Tr::SOFTCAP ? p.softcap_out : 1.f;
+    // fewer per score: bench/NOTES.md, "Softcap on the Hopper kernel"). FP8: a score of the
+    // e4m3 GEMM is the real one over q_descale x k_descale (qk): the unit (softcap: its
+    // input scale) takes the factor.
+    const float qk = Tr::FP8 ? descale_of(p.q_descale, p.q_descale_stride_batch,
+                                          p.q_descale_stride_head, blk.b, blk.kvh) *
+                                   descale_of(p.k_descale, p.k_descale_stride_batch,
+                                              p.k_descale_stride_head, blk.b, blk.kvh)
+                             : 1.f;
+    const float unit = Tr::SOFTCAP ? p.softcap_out : qk;
     WarpSoftmax<Tr> softmax(p.scale_log2 * unit);
 
     float slope = 0.f;
@@ -783,7 +894,7 @@ __device__ void flash_fwd_sm90_kernel(const FlashFwdParams& p, const FlashTmaMap
       slope = static_cast<const float*>(p.alibi_slopes)[blk.b * p.alibi_stride_batch + blk.head] *
               p.softmax_scale_inv / unit;
     }
-    const typename Tr::Logits hook(slope, p.softcap_in, 1.f);
+    const typename Tr::Logits hook(slope, Tr::FP8 ? p.softcap_in * qk : p.softcap_in, 1.f);
 
     // S = Q K^T of step n into s_acc (issued, committed; the caller waits)
     auto issue_qk = [&](int n) {
@@ -801,7 +912,7 @@ __device__ void flash_fwd_sm90_kernel(const FlashFwdParams& p, const FlashTmaMap
       wait_full(sm.v_full(slot.stage), slot.phase);
 #pragma unroll
       for (int kk = 0; kk < Tr::PV_K_STEPS; ++kk) {
-        Wgmma<T, Tr::HEAD_DIM>::template rs<Tr::VLLM ? 0 : 1>(o_acc[0], p_pack[0][kk],
+        Wgmma<T, Tr::HEAD_DIM>::template rs<Tr::VLLM || Tr::FP8 ? 0 : 1>(o_acc[0], p_pack[0][kk],
                                                               v_desc(slot.stage, kk), 1);
       }
       wgmma_commit();
@@ -911,7 +1022,13 @@ __device__ void flash_fwd_sm90_kernel(const FlashFwdParams& p, const FlashTmaMap
     sink[0][0] = sink[0][1] =
         FINISH_SINKS ? static_cast<const float*>(p.sinks)[blk.head] * p.softmax_scale_inv / unit
                      : 0.f;
-    const auto rows = softmax.template finish<FINISH_SINKS>(sink);
+    auto rows = softmax.template finish<FINISH_SINKS>(sink);
+    if constexpr (Tr::FP8) {   // O = v_descale x P V
+      const float vd = descale_of(p.v_descale, p.v_descale_stride_batch, p.v_descale_stride_head,
+                                  blk.b, blk.kvh);
+      rows.inv_sum[0][0] *= vd;
+      rows.inv_sum[0][1] *= vd;
+    }
     const Lane at = lane_place();
     const QueryRows<false> qrows{blk.head, 1};
     if constexpr (Tr::SPLIT) {

@@ -194,7 +194,8 @@ def fp8_dequantized(x8, descale):
 
 
 def fp8_attention_kernel_math(q8, k8, v8, q_descale, k_descale, v_descale, scale, *,
-                              causal=False, window=(-1, -1), p_scale=256.0):
+                              causal=False, window=(-1, -1), softcap=0.0, alibi=None,
+                              sinks=None, p_scale=256.0):
     """The FP8 forward's math with its roundings, in NumPy: the error that the FP8 kernels'
     tolerance doubles (FlashAttention's rule).
 
@@ -210,25 +211,37 @@ def fp8_attention_kernel_math(q8, k8, v8, q_descale, k_descale, v_descale, scale
     p_scale: FlashAttention-3 subtracts Max_offset = 8 from the exp2 argument, P in [0, 256]
     (hopper/softmax.h): e4m3 normals reach down to P = 2^-14 instead of 2^-6. It cancels in
     O, and lse takes log(l / p_scale); p_scale=1 is P in [0, 1] (the seed's 8.9.6 sketch
-    scales P per tile by p_max / 448 instead; FA3 does not). Returns float32 out (batch,
-    sq, H, D) and lse (batch, H, sq), natural log; a row that sees no key: zeros and -inf.
+    scales P per tile by p_max / 448 instead; FA3 does not). softcap, alibi (H,) and sinks
+    (H,) as attention_reference has them, in float32 on S (a sink joins m and l unrounded).
+    Returns float32 out (batch, sq, H, D) and lse (batch, H, sq), natural log; a row that
+    sees no key: zeros and -inf (with a sink: zeros and the sink).
     """
     batch, sq, nheads, _ = q8.shape
     sk, nkv = k8.shape[1], k8.shape[2]
     group = nheads // nkv
     qd, kd, vd = (_per_head(d, batch, nheads) for d in (q_descale, k_descale, v_descale))
     seen = visible(sq, sk, causal, window)
+    dist = np.abs(np.arange(sq)[:, None] + sk - sq - np.arange(sk)[None, :]).astype(np.float32)
     q, k, v = (x.astype(np.float32) for x in (q8, k8, v8))
     out = np.zeros(q.shape, np.float32)
     lse = np.full((batch, nheads, sq), -np.inf, np.float32)
     for b in range(batch):
         for h in range(nheads):
             c = qd[b, h] * kd[b, h] * np.float32(scale)
-            s = np.where(seen, (q[b, :, h] @ k[b, :, h // group].T) * c, -np.inf)
+            s = (q[b, :, h] @ k[b, :, h // group].T) * c
+            if softcap > 0:
+                s = np.float32(softcap) * np.tanh(s / np.float32(softcap))
+            if alibi is not None:
+                s = s - np.float32(alibi[h]) * dist
+            s = np.where(seen, s, -np.inf).astype(np.float32)
             m = s.max(axis=1, initial=-np.inf)
+            if sinks is not None:
+                m = np.maximum(m, np.float32(sinks[h]))
             safe = np.where(np.isinf(m), np.float32(0), m)
             p = np.float32(p_scale) * np.exp(s - safe[:, None])     # float32, 0 where masked
             l = p.sum(axis=1, dtype=np.float32)
+            if sinks is not None:
+                l = l + np.float32(p_scale) * np.exp(np.float32(sinks[h]) - safe)
             o = quantize_e4m3(p, 1.0).astype(np.float32) @ v[b, :, h // group]
             with np.errstate(invalid="ignore", divide="ignore"):
                 out[b, :, h] = np.where(l[:, None] > 0, o * (1 / l[:, None] * vd[b, h]), 0)

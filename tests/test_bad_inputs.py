@@ -317,6 +317,14 @@ def padded(shape, dtype, pad):
     return lambda mk: mk.zeros(shape[:-1] + (shape[-1] + pad,), dtype)[..., :shape[-1]]
 
 
+def fp8_option_rows():
+    """The descales and out_dtype of a 16-bit call: FP8 options, refused by name."""
+    return [(f"{name}-16-bit-inputs", make(**{name: lambda mk: mk.zeros((1, 2), np.float32)}),
+             ValueError, name) for name in ("q_descale", "k_descale", "v_descale")] + \
+        [("out_dtype-float32", put(out_dtype=np.float32), ValueError, "out_dtype"),
+         ("out_dtype-other-16-bit", put(out_dtype=BF16), ValueError, "out_dtype")]
+
+
 NAN, INF = float("nan"), float("inf")
 ROWS: list[Row] = []
 
@@ -388,6 +396,8 @@ ROWS += table(
     ("out-float32", new("out", like="q", dtype=np.float32), TypeError, "out"),
     ("out-strided", new("out", like="q", strided=True), ValueError, "out"),
     ("out-misaligned", new("out", like="q", offset=2), ValueError, "out"),
+    # FP8 options on 16-bit inputs (FP8 calls' own: tests/test_flash_fp8.py)
+    *fp8_option_rows(),
     # devices
     *elsewhere("k", "v"), *elsewhere("out", like="q"),
 )
@@ -436,6 +446,7 @@ ROWS += table(
     ("out-bf16", new("out", like="q", dtype=BF16), TypeError, "out"),
     ("out-strided", new("out", like="q", strided=True), ValueError, "out"),
     ("out-misaligned", new("out", like="q", offset=4), ValueError, "out"),
+    *fp8_option_rows(),
     # devices
     *elsewhere("k", "v", "cu_seqlens_q", "cu_seqlens_k"), *elsewhere("out", like="q"),
 )

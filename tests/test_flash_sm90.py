@@ -94,7 +94,8 @@ def test_tma_forms_take_the_tensor_maps():
     # the driver's enumerators, spelled by hand for the ctypes call
     from cuda.bindings import driver as d
     assert _tma.DATA_TYPE == {"f16": d.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
-                              "bf16": d.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16}
+                              "bf16": d.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                              "e4m3": d.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT8}
     swizzles = d.CUtensorMapSwizzle
     assert (_tma.SWIZZLE_NONE, _tma.SWIZZLE_32B, _tma.SWIZZLE_128B) == (
         swizzles.CU_TENSOR_MAP_SWIZZLE_NONE, swizzles.CU_TENSOR_MAP_SWIZZLE_32B,

@@ -24,6 +24,15 @@ template <> __device__ __forceinline__ u32 pack_pair<__nv_bfloat16>(float lo, fl
   return *reinterpret_cast<u32*>(&h);
 }
 
+// Four floats -> four e4m3 bytes (x0 in the low byte), nearest even, saturated to +-448: the
+// A operand of an e4m3 wgmma (flash_fwd_sm90.cuh's FP8 form).
+__device__ __forceinline__ u32 pack_e4m3x4(float x0, float x1, float x2, float x3) {
+  unsigned short lo, hi;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(lo) : "f"(x1), "f"(x0));
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(hi) : "f"(x3), "f"(x2));
+  return u32(lo) | (u32(hi) << 16);
+}
+
 // One 32-bit register of two T -> two floats (the inverse of pack_pair).
 template <typename T> __device__ __forceinline__ float2 unpack_pair(u32 x);
 template <> __device__ __forceinline__ float2 unpack_pair<__half>(u32 x) {

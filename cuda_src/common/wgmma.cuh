@@ -51,6 +51,14 @@ __device__ __forceinline__ u64 sw32_desc(u32 addr) {
 // the address / 16 in 14 bits, which every shared address fits, so the sum never carries.
 __device__ __forceinline__ u64 desc_advance(u64 desc, u32 bytes) { return desc + (bytes >> 4); }
 
+// stmatrix x4 (the inverse of ldmatrix_x4, common/mma.cuh): lane l gives the address of row
+// (l % 8) of 8x8 b16 matrix (l / 8); register i holds matrix i's row l / 4, elements
+// 2 (l % 4) and 2 (l % 4) + 1.
+__device__ __forceinline__ void stmatrix_x4(u32 addr, const u32 (&r)[4]) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n"
+               :: "r"(addr), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
+}
+
 // threadIdx.x read anew at each use (asm volatile: neither hoisted nor merged), for a value
 // the compiler would otherwise hold in a register across a long loop, or spill.
 __device__ __forceinline__ int thread_index_now() {

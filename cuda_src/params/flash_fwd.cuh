@@ -36,6 +36,9 @@ struct FlashFwdParams {
   const void* sinks;          // [num_heads] float: a logit per head in the denominator (sinks only)
   const void* k_scales;       // [num_heads_kv] or [1] float: fp8 caches' scales in device memory
   const void* v_scales;       // (null: 1, or the host's v_scale and softmax scale hold them)
+  const void* q_descale;      // [batch, num_heads_kv] float: FP8 q / k / v (the Hopper kernel's
+  const void* k_descale;      // e4m3 form) mean their values times these (null: 1); query head
+  const void* v_descale;      // h takes its KV head's q_descale too (FlashAttention-3)
   long long q_stride_batch, q_stride_row, q_stride_head;
   long long k_stride_batch, k_stride_row, k_stride_head;
   long long v_stride_batch, v_stride_row, v_stride_head;
@@ -69,6 +72,9 @@ struct FlashFwdParams {
   int k_scales_stride;        // 1: a scale per KV head; 0: one scale
   int v_scales_stride;
   int alibi_stride_batch;     // 0: alibi_slopes [num_heads]; else its row stride
+  int q_descale_stride_batch, q_descale_stride_head;   // elements
+  int k_descale_stride_batch, k_descale_stride_head;
+  int v_descale_stride_batch, v_descale_stride_head;
 };
 
 }  // namespace cuattn
