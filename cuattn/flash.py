@@ -185,6 +185,14 @@ def check_max_seqlens(max_seqlen_q, max_seqlen_k) -> tuple[int, int]:
     return int(max_seqlen_q), int(max_seqlen_k)
 
 
+def _dtype_or_none(x):
+    """np.dtype(x), or None for what names no dtype."""
+    try:
+        return np.dtype(x)
+    except TypeError:
+        return None
+
+
 def _check_fp8(dtype, out_dtype, descales, batch: int, nheads_kv: int, device_id: int,
                qkv) -> tuple:
     """An FP8 call's output dtype, descale fields and arguments (16-bit calls: their own
@@ -195,9 +203,9 @@ def _check_fp8(dtype, out_dtype, descales, batch: int, nheads_kv: int, device_id
         for name, d in zip(_DESCALES, descales):
             if d is not None:
                 raise ValueError(f"{name}: only for float8_e4m3fn q / k / v, got {dtype.numpy}")
-        if out_dtype is not None and np.dtype(out_dtype) != dtype.numpy:
+        if out_dtype is not None and _dtype_or_none(out_dtype) != dtype.numpy:
             raise ValueError(f"out_dtype: a {dtype.numpy} call writes {dtype.numpy}, got "
-                             f"{np.dtype(out_dtype)}")
+                             f"{out_dtype!r}")
         return dtype, fields
     try:
         out = BY_SHORT["bf16"] if out_dtype is None else activation_dtype(out_dtype, "out_dtype")
@@ -219,7 +227,7 @@ def _check_fp8(dtype, out_dtype, descales, batch: int, nheads_kv: int, device_id
         raise ValueError(f"q: float8_e4m3fn inputs run on Hopper (sm_90) GPUs only; this "
                          f"device is {device.arch}")
     for name, x in zip(("q", "k", "v"), qkv):
-        if not _tma.encodable("e4m3", (x, x, x)):
+        if x.size and not _tma.encodable("e4m3", (x, x, x)):
             raise ValueError(f"{name}: float8_e4m3fn inputs are loaded by TMA, which needs "
                              f"positive strides, multiples of 16 bytes, below 2**40; got "
                              f"{x.strides}")
@@ -385,9 +393,6 @@ def _plan(c: Call) -> Plan:
     tma = c.variant_for is None and c.qkv is not None and \
         (fp8 or tuning.flash_path(arch, head_dim) == "wgmma") and \
         _tma.encodable(c.dtype.short, c.qkv)
-    if fp8 and not tma:
-        raise ValueError("q: float8_e4m3fn inputs run on the Hopper kernel by TMA only "
-                         "(tuning.override forces another path)")
 
     def variant_for(split: bool):
         if c.variant_for is not None:
@@ -404,6 +409,9 @@ def _plan(c: Call) -> Plan:
     m_blocks = -(-rows // base.block_m)
     if m_blocks == 0 or c.batch == 0:
         return Plan(**common)
+    if fp8 and not tma:    # (_check_fp8 refused the strides; what is left: an empty k / v)
+        raise ValueError("k: float8_e4m3fn inputs are loaded by TMA, which describes no "
+                         "empty tensor: seqlen_k = 0 is not supported on the FP8 path")
     n_key_tiles = -(-c.max_sk // base.block_n)
     num_splits = c.num_splits
     if num_splits == 0:
