@@ -26,7 +26,6 @@ from ._launch import (NULL, Launch, Plan, execute, on_device, plan_cache, plan_f
 from .jit import device_info, get_kernel
 from .variants import (FEAT_SINKS, FLASH_PARAMS, MASK_CAUSAL, MASK_NONE, MASK_WINDOW,
                        FlashFwdSm90Variant)
-from .tuning import SM90_ARCH
 
 MAX_HEAD_DIM = 256
 _MAX_GRID_YZ = 65535
@@ -223,11 +222,11 @@ def _check_fp8(dtype, out_dtype, descales, batch: int, nheads_kv: int, device_id
             stride = A.element_strides(d)
         fields[f"{name}_stride_batch"], fields[f"{name}_stride_head"] = stride
     device = device_info(device_id)
-    if device.arch != SM90_ARCH:
+    if device.arch != tuning.SM90_ARCH:
         raise ValueError(f"q: float8_e4m3fn inputs run on Hopper (sm_90) GPUs only; this "
                          f"device is {device.arch}")
-    for name, x in zip(("q", "k", "v"), qkv):
-        if x.size and not _tma.encodable("e4m3", (x, x, x)):
+    for name, x in zip(("q", "k", "v"), qkv):   # (the driver's own check: _plan's encodable)
+        if x.size and not _tma.fits(x):
             raise ValueError(f"{name}: float8_e4m3fn inputs are loaded by TMA, which needs "
                              f"positive strides, multiples of 16 bytes, below 2**40; got "
                              f"{x.strides}")
@@ -397,21 +396,18 @@ def _plan(c: Call) -> Plan:
     def variant_for(split: bool):
         if c.variant_for is not None:
             return c.variant_for(split, mask)
-        if fp8:
-            return tuning.flash_sm90_variant(c.dtype.short, head_dim, mask=mask, split=split,
-                                             features=c.features, tma=True,
-                                             out=out_type.short)
         return tuning.flash_kernel_variant(c.dtype.short, head_dim, mask=mask, split=split,
                                            arch=arch, features=c.features, tma=tma,
-                                           seqlen_q=c.max_sq)
+                                           seqlen_q=c.max_sq, out=out_type.short if fp8 else "")
     base = variant_for(False)
     rows = c.max_sq * c.pack
     m_blocks = -(-rows // base.block_m)
     if m_blocks == 0 or c.batch == 0:
         return Plan(**common)
-    if fp8 and not tma:    # (_check_fp8 refused the strides; what is left: an empty k / v)
-        raise ValueError("k: float8_e4m3fn inputs are loaded by TMA, which describes no "
-                         "empty tensor: seqlen_k = 0 is not supported on the FP8 path")
+    if fp8 and not tma:    # (_check_fp8 refused bad strides; left: an empty k / v, or the driver)
+        raise ValueError("k: float8_e4m3fn inputs are loaded by TMA, and the driver takes no "
+                         "tensor map of these arrays (an empty k / v among them: seqlen_k = 0 "
+                         "is not supported on the FP8 path)")
     n_key_tiles = -(-c.max_sk // base.block_n)
     num_splits = c.num_splits
     if num_splits == 0:

@@ -279,7 +279,7 @@ FLASH_SM90_SHORT_CAUSAL = {64: 1024}
 # whose V^T ring (128-key rows) leaves room for the 16-bit O tile (O cannot be staged in
 # the 1-byte Q tiles).
 FLASH_SM90_TILES_FP8 = {
-    128: FlashSm90Tiles(128, 128, 2),   # smem 161 KB
+    128: FlashSm90Tiles(128, 128, 2),   # smem 145 KB
     256: FlashSm90Tiles(128, 64, 2),    # smem 225 KB
 }
 
@@ -330,13 +330,14 @@ def flash_sm90_variant(dtype: str, head_dim: int, *, mask: int, split: bool,
 
 
 def flash_kernel_variant(dtype: str, head_dim: int, *, mask: int, split: bool, arch: str,
-                         features: int = 0, tma: bool = False, seqlen_q: int | None = None):
+                         features: int = 0, tma: bool = False, seqlen_q: int | None = None,
+                         out: str = ""):
     """The kernel of a dense flash_forward / flash_varlen_forward call (its longest query
-    length seqlen_q): the Hopper one where flash_path picks it (by TMA where ``tma``), else
-    the mma.sync one."""
-    if flash_path(arch, head_dim) == "wgmma":
+    length seqlen_q): the Hopper one where flash_path picks it (by TMA where ``tma``), and
+    for every e4m3 call (its FP8 form, output ``out``), else the mma.sync one."""
+    if dtype == "e4m3" or flash_path(arch, head_dim) == "wgmma":
         return flash_sm90_variant(dtype, head_dim, mask=mask, split=split, features=features,
-                                  tma=tma, seqlen_q=seqlen_q)
+                                  tma=tma, seqlen_q=seqlen_q, out=out)
     return flash_forward_variant(dtype, head_dim, mask=mask, split=split, arch=arch,
                                  features=features)
 

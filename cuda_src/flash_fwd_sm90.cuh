@@ -228,11 +228,11 @@ struct FlashTmaMaps {
   TmaDescriptor q, k, v;
 };
 
-// The block's shared memory from its 1024-aligned base (Tr::SMEM_BYTES' layout): the Q
-// tiles, the K ring, the V ring (FP8: and the V^T ring), the O tile (Tr::O_TILE; else O is staged in the Q tiles),
-// then the pipeline's mbarriers: Q full, Q empty, then per stage K full, K empty, V full,
-// V empty (FP8: then per stage V raw full; V full / empty are then the V^T ring's); then the
-// two slots of a fetched schedule's items.
+// The block's shared memory from its 1024-aligned base (Tr::SMEM_BYTES' layout): the Q tiles,
+// the K ring, the V ring (FP8: and the V^T ring), the O tile (Tr::O_TILE; else O is staged in
+// the Q tiles), then the mbarriers: Q full, Q empty, per stage K full, K empty, V full, V empty
+// (FP8: then per stage V raw full; V full / empty are then the V^T ring's); then the two slots
+// of a fetched schedule's items.
 template <typename Tr>
 struct Sm90Smem {
   u32 q;

@@ -8,9 +8,10 @@ import argparse
 import sys
 
 import cupy
+import ml_dtypes
 
 import cuattn
-from bench.harness import median_ms
+from bench.harness import median_ms, randn
 from bench.suite_fp8 import fp8_randn
 from cuattn import tuning
 from cuattn.tuning import FlashSm90Tiles
@@ -22,9 +23,9 @@ TILES = {128: [FlashSm90Tiles(128, 128, 3), FlashSm90Tiles(128, 64, 2)],
 
 def rate(d, s, causal, dtype, tiles=None):
     b, h = 16384 // s, 2048 // d
-    mk = fp8_randn if dtype == "fp8" else (lambda *sh: cupy.random.standard_normal(sh, dtype="float32").astype("bfloat16"))
+    mk = fp8_randn if dtype == "fp8" else randn
     q, k, v = (mk(b, s, h, d) for _ in range(3))
-    out = cupy.empty((b, s, h, d), "bfloat16") if dtype == "fp8" else cupy.empty_like(q)
+    out = cupy.empty((b, s, h, d), ml_dtypes.bfloat16)
     flops = 4 * b * h * s * s * d / (2 if causal else 1)
     cupy.cuda.Device().synchronize()
 

@@ -45,7 +45,8 @@ def main():
             got16 = cuattn.flash_forward(*(cp.asarray(x) for x in (qb, kb, vb)),
                                          causal=causal).get().astype(np.float64)[0]
             print(f"{'outliers' if outlier else 'random'} {'causal' if causal else 'full'}: "
-                  f"fp8 kernel {_rel(got, ref):.4f}, fp8 model {_rel(model[0].astype(BF16).astype(np.float64), ref):.4f}, "
+                  f"fp8 kernel {_rel(got, ref):.4f}, "
+                  f"fp8 model {_rel(model[0].astype(BF16).astype(np.float64), ref):.4f}, "
                   f"bf16 kernel {_rel(got16, ref16):.4f}")
 
 

@@ -42,14 +42,6 @@ __device__ __forceinline__ int phys(int L) {
   return 16 * (L / 16) + 2 * ((L % 16) / 4) + (L % 2) + 8 * ((L % 4) / 2);
 }
 
-// Four floats to four e4m3 bytes, x0 in the low byte.
-__device__ __forceinline__ u32 pack4(float x0, float x1, float x2, float x3) {
-  unsigned short lo, hi;
-  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(lo) : "f"(x1), "f"(x0));
-  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(hi) : "f"(x3), "f"(x2));
-  return u32(lo) | (u32(hi) << 16);
-}
-
 extern "C" __global__ void __launch_bounds__(128) probe(
     const fp8* Q, const fp8* K, const fp8* V, float* S_out, float* O_out, float p_mul) {
   // Q [64][128 B] (8 KB), K [128][128 B] (16 KB), V row-major (16 KB), V^T [128 dims][128 B]
@@ -114,11 +106,13 @@ extern "C" __global__ void __launch_bounds__(128) probe(
 #pragma unroll
   for (int kk = 0; kk < BN / 32; ++kk) {
     const int j = 4 * kk;
-    a[kk][0] = pack4(p_mul * s[j][0], p_mul * s[j][1], p_mul * s[j + 1][0], p_mul * s[j + 1][1]);
-    a[kk][1] = pack4(p_mul * s[j][2], p_mul * s[j][3], p_mul * s[j + 1][2], p_mul * s[j + 1][3]);
-    a[kk][2] = pack4(p_mul * s[j + 2][0], p_mul * s[j + 2][1], p_mul * s[j + 3][0],
+    a[kk][0] = pack_e4m3x4(p_mul * s[j][0], p_mul * s[j][1], p_mul * s[j + 1][0],
+                           p_mul * s[j + 1][1]);
+    a[kk][1] = pack_e4m3x4(p_mul * s[j][2], p_mul * s[j][3], p_mul * s[j + 1][2],
+                           p_mul * s[j + 1][3]);
+    a[kk][2] = pack_e4m3x4(p_mul * s[j + 2][0], p_mul * s[j + 2][1], p_mul * s[j + 3][0],
                      p_mul * s[j + 3][1]);
-    a[kk][3] = pack4(p_mul * s[j + 2][2], p_mul * s[j + 2][3], p_mul * s[j + 3][2],
+    a[kk][3] = pack_e4m3x4(p_mul * s[j + 2][2], p_mul * s[j + 2][3], p_mul * s[j + 3][2],
                      p_mul * s[j + 3][3]);
   }
   float o[D / 8][4];
