@@ -95,4 +95,39 @@ def run(ceilings, quick: bool) -> list[dict]:
                                       graph.items()}, file=sys.stderr, flush=True)
             del inputs, out
             cupy.get_default_memory_pool().free_all_blocks()
+    return rows + paged_rows()
+
+
+# paged_prefill (the issue's rows): chunks of CHUNK new tokens against contexts of 16384 in
+# NHD caches of these block sizes, the prefill suite's heads (bench/suite_prefill.py)
+PAGED_BLOCK_SIZES = (16, 64)
+
+
+def paged_rows() -> list[dict]:
+    """paged_prefill over an fp8 NHD cache on FP8 math (q_scale: the call quantizes its bf16
+    q) and on 16-bit math (no q_scale: the cache widened in the kernel) beside the same call
+    over a bf16 cache, kernel-only (graph replays; the FP8 call's time includes its q
+    quantization launch). The fp8 caches hold random finite e4m3 bytes."""
+    from bench.suite_prefill import CHUNK, PagedCase
+    rows = []
+    for bs in PAGED_BLOCK_SIZES:
+        case = PagedCase(16384 // CHUNK, 16384, CHUNK, "nhd", bs)
+
+        def rate(**kw):
+            ms = median_ms(case.prefill(**kw), graph=GRAPH_CALLS, n_warmup=2,
+                           n_repeat=GRAPH_REPS, settle_s=SETTLE_S)
+            return case.flops / ms / 1e9
+        bf16 = rate()
+        case.k_cache, case.v_cache = (cupy.random.randint(0, 0x77, x.shape, dtype=np.uint8)
+                                      .view(E4M3) for x in (case.k_cache, case.v_cache))
+        fp8_math = rate(k_scale=0.05, v_scale=0.05, q_scale=0.05)
+        widened = rate(k_scale=0.05, v_scale=0.05)
+        rows.append({"config": f"paged_prefill nhd/{bs} B{case.batch} {CHUNK} new / ctx 16384",
+                     "fp8 TFLOP/s (graph)": fp8_math, "bf16 TFLOP/s (graph)": bf16,
+                     "fp8/bf16 (graph)": fp8_math / bf16,
+                     "fp8 cache, 16-bit math TFLOP/s (graph)": widened})
+        print(rows[-1]["config"], round(fp8_math), round(bf16), round(widened),
+              file=sys.stderr, flush=True)
+        del case
+        cupy.get_default_memory_pool().free_all_blocks()
     return rows

@@ -82,11 +82,38 @@ def _vllm_tensors(q, k, v, block_n: int, head_dim: int) -> tuple:
             _Tensor.vllm_v(v, min(rows, VLLM_V_BOX), head_dim))
 
 
+@dataclass(frozen=True)
+class ArraySpec:
+    """The shape of an array a plan makes itself (scratch), as _Tensor.of reads an array."""
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]     # bytes
+    itemsize: int
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape))
+
+    @classmethod
+    def contiguous(cls, shape: tuple[int, ...], itemsize: int) -> "ArraySpec":
+        strides, step = [], itemsize
+        for n in reversed(shape):
+            strides.append(step)
+            step *= n
+        return cls(tuple(shape), tuple(reversed(strides)), itemsize)
+
+
 def encodable(dtype_short: str, arrays, kv_layout: str | None = None) -> bool:
     """Whether tensor maps describe every array of ``arrays`` (q, k, v; kv_layout "vllm":
     k and v are vLLM's paged caches): fits(), and the driver takes its maps (tried once per
-    call signature, by the plan)."""
+    call signature, by the plan). q None: a copy the plan makes (always describable)."""
     q, k, v = arrays
+    if q is None:
+        return all(fits(x) for x in (k, v)) and _driver_takes(
+            dtype_short, [(x, _Tensor.of(x, 64)) for x in (k, v)])
     if kv_layout == "vllm":
         if not (fits(q) and _fits_vllm(k, v)):
             return False
@@ -95,6 +122,10 @@ def encodable(dtype_short: str, arrays, kv_layout: str | None = None) -> bool:
         if not all(fits(x) for x in arrays):
             return False
         tensors = [(x, _Tensor.of(x, 64)) for x in arrays]
+    return _driver_takes(dtype_short, tensors)
+
+
+def _driver_takes(dtype_short: str, tensors) -> bool:
     try:
         for x, t in tensors:
             encode(dtype_short, x.data.ptr, t)

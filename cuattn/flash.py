@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -25,7 +26,7 @@ from ._launch import (NULL, Launch, Plan, execute, on_device, plan_cache, plan_f
                       returns)
 from .jit import device_info, get_kernel
 from .variants import (FEAT_SINKS, FLASH_PARAMS, MASK_CAUSAL, MASK_NONE, MASK_WINDOW,
-                       FlashFwdSm90Variant)
+                       QUANTIZE_PARAMS, FlashFwdSm90Variant)
 
 MAX_HEAD_DIM = 256
 _MAX_GRID_YZ = 65535
@@ -349,6 +350,19 @@ class Call:
     # (q, k, v) or (q, k_cache, v_cache), which the Hopper kernel may load by TMA
     qkv: tuple | None = None
     out_dtype: object = None    # cuattn._dtypes entry of out (None: dtype's; FP8: 16-bit)
+    # FP8 calls of 16-bit queries (paged_prefill's q_scale): quantized into scratch first;
+    # qkv's q then describes that e4m3 copy
+    quantize_q: "QuantizeQ | None" = None
+
+
+class QuantizeQ(NamedTuple):
+    """16-bit queries the plan quantizes to e4m3 before the FP8 kernel reads them
+    (cuda_src/quantize_e4m3.cuh): q / (factor x scales[KV head]), scales the call's argument
+    ``arg`` (None: no array), ``stride`` 1 a scale per KV head, 0 one."""
+    dtype: object               # cuattn._dtypes entry of q
+    factor: float
+    arg: int | None
+    stride: int
 
 
 def _mask_and_bounds(left: int, right: int, max_sq: int, max_sk: int) -> tuple[int, int, int]:
@@ -404,7 +418,8 @@ def _plan(c: Call) -> Plan:
     m_blocks = -(-rows // base.block_m)
     if m_blocks == 0 or c.batch == 0:
         return Plan(**common)
-    if fp8 and not tma:    # (_check_fp8 refused bad strides; left: an empty k / v, or the driver)
+    if fp8 and not tma and c.variant_for is None:
+        # (_check_fp8 refused bad strides; left: an empty k / v, or the driver)
         raise ValueError("k: float8_e4m3fn inputs are loaded by TMA, and the driver takes no "
                          "tensor map of these arrays (an empty k / v among them: seqlen_k = 0 "
                          "is not supported on the FP8 path)")
@@ -432,20 +447,28 @@ def _plan(c: Call) -> Plan:
     varlen = "cu_seqlens_q" in c.args
     fetched = isinstance(variant, FlashFwdSm90Variant) and variant.fetches_varlen and varlen
     zeroed = ()
+    counter_slot = None
     if fetched:   # the Hopper kernel's tile counter, zeroed before each launch
         counter_at = -(-scratch_bytes // 16) * 16
         scratch, scratch_bytes, zeroed = scratch + (counter_at,), counter_at + 16, (counter_at, 4)
+        counter_slot = slots.scratch(len(scratch) - 1)
     slot_of = {n: slots.arg(i) for n, i in c.args.items()}
     slot_of.update(out=out_slot, lse=lse_slot)
     if split:
         slot_of.update(oaccum=slots.scratch(0), lseaccum=slots.scratch(1))
+    prologue = ()
+    if c.quantize_q is not None:   # the kernel reads e4m3 queries from scratch
+        q8_at = -(-scratch_bytes // 256) * 256
+        scratch, scratch_bytes = scratch + (q8_at,), q8_at + c.total_q * nheads * head_dim
+        q8_slot = slots.scratch(len(scratch) - 1)
+        prologue = (_quantize_launch(c, slot_of["q"], q8_slot),)
+        slot_of["q"] = q8_slot
     ptr_slots = tuple(slot_of.get(n, NULL) for n in FLASH_PARAMS.pointer_names())
     grid, extra = (m_blocks, grid_y, c.batch * num_splits), None
     if isinstance(variant, FlashFwdSm90Variant):     # its own grid; tensor maps (zeros: cp.async)
         grid = variant.grid(m_blocks, grid_y, c.batch * num_splits, varlen=varlen,
                             sm_count=device.sm_count)
         qkv_slots = (slot_of["q"], slot_of["k"], slot_of["v"])
-        counter_slot = slots.scratch(len(scratch) - 1) if fetched else None
         extra = _tma.no_maps
         if variant.tma:
             extra = _tma.FlashMaps(c.dtype.short, *c.qkv, qkv_slots, variant.block_n,
@@ -474,4 +497,22 @@ def _plan(c: Call) -> Plan:
                                    (combine.num_threads,), 0, FLASH_PARAMS.dtype, ptr_slots,
                                    tail))
     return Plan(**common, scratch=scratch, scratch_bytes=scratch_bytes, scratch_zeroed=zeroed,
-                launches=tuple(launches))
+                launches=prologue + tuple(launches))
+
+
+def _quantize_launch(c: Call, q_slot: int, q8_slot: int) -> Launch:
+    """The launch that writes c.q (16-bit, pointer slot q_slot) as e4m3 queries (rows x heads
+    x head dim, contiguous) into slot q8_slot: c.quantize_q's scale."""
+    quant = c.quantize_q
+    variant = tuning.quantize_variant(quant.dtype.short)
+    _, nheads, head_dim = c.q.shape
+    qs = A.element_strides(c.q)
+    tail = QUANTIZE_PARAMS.tail(
+        x_stride_row=qs[0], x_stride_head=qs[1], out_stride_row=nheads * head_dim,
+        out_stride_head=head_dim, scale=quant.factor, num_heads=nheads, head_dim=head_dim,
+        head_group=nheads // c.nheads_kv, scales_stride=quant.stride)
+    scales = NULL if quant.arg is None else 1 + quant.arg     # (Slots.arg)
+    with on_device(c.device_id):
+        kernel = get_kernel(variant, c.device_id)
+    return Launch(kernel, (c.total_q,), (variant.num_threads,), 0, QUANTIZE_PARAMS.dtype,
+                  (q_slot, q8_slot, scales), tail)

@@ -5,8 +5,11 @@ forward and backward run cuattn's kernels (flash_forward / flash_backward and th
 forms) inside the compiled program, through ``jax.experimental.buffer_callback``: XLA hands
 a Python callback its own CUDA stream and device buffers, and cuattn writes its results
 straight into XLA's output buffers (out, dq, dk, dv; lse and dsinks by one device copy).
-The forward keeps (q, k, v, out, lse) for the backward. docs/api.md, "cuattn.jax", has the
-contract and the design (why buffer_callback, command buffers, vmap).
+The forward keeps (q, k, v, out, lse) for the backward. FP8 (FlashAttention-3's
+conventions, forward only): q, k, v of float8_e4m3fn with optional float32 (batch,
+nheads_kv) descales give a bfloat16 output; asking for their gradient is a TypeError when
+the backward is traced. docs/api.md, "cuattn.jax", has the contract and the design (why
+buffer_callback, command buffers, vmap).
 
 Importing this module imports JAX; ``import cuattn`` alone never does.
 """
@@ -41,10 +44,13 @@ __all__ = ["flash_attention", "flash_attention_varlen"]
 # while being recorded (see _guarded). bench/lab/adapter_overhead.py times both settings.
 _COMMAND_BUFFER = True
 _DLPACK_CUDA = 2   # kDLCUDA
+_FP8 = jnp.float8_e4m3fn
+_DESCALES = ("q_descale", "k_descale", "v_descale")
 
 
 def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1),
-                    softcap=0.0, alibi_slopes=None, sinks=None, deterministic=False):
+                    softcap=0.0, alibi_slopes=None, sinks=None, deterministic=False,
+                    q_descale=None, k_descale=None, v_descale=None):
     """FlashAttention-2 on JAX arrays, differentiable in q, k, v and sinks.
 
     q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim),
@@ -60,26 +66,35 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-
     q, k, v are all mapped (and alibi_slopes / sinks not) runs as one call over the
     vmapped axes folded into the batch ((batch, nheads) slopes mapped with them fold
     alike); any other mix runs one cuattn call per mapped element, inside the same callback.
+
+    FP8 (FlashAttention-3's, sm_90 GPUs): q, k, v all float8_e4m3fn (head dim a multiple of
+    16), their real values the stored ones times q_descale / k_descale / v_descale (float32
+    (batch, nheads_kv), None: 1); out is bfloat16. Forward only: differentiating an FP8
+    call raises TypeError when its backward is traced.
     """
     _check_qkv(q, k, v, 4, "(batch, seqlen_q, nheads, headdim)",
                "(batch, seqlen_k, nheads_kv, headdim)")
     if k.shape[0] != q.shape[0]:
         raise ValueError(f"k: batch {k.shape[0]} differs from q's {q.shape[0]}")
     _check_head_vectors(alibi_slopes, sinks, q.shape[-2], q.shape[0])
+    descales = (q_descale, k_descale, v_descale)
+    _check_descales(q.dtype, descales, q.shape[0], k.shape[-2])
     spec = _spec(False, q, causal, softmax_scale, window_size, softcap, deterministic, 0, 0,
                  alibi_slopes)
-    return _attention(spec, q, k, v, None, None, alibi_slopes, sinks)
+    return _attention(spec, q, k, v, None, None, alibi_slopes, sinks, *descales)
 
 
 def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            *, causal=False, softmax_scale=None, window_size=(-1, -1),
-                           softcap=0.0, alibi_slopes=None, sinks=None, deterministic=False):
+                           softcap=0.0, alibi_slopes=None, sinks=None, deterministic=False,
+                           q_descale=None, k_descale=None, v_descale=None):
     """flash_attention over packed variable-length sequences (cuattn.flash_varlen_forward).
 
     q: (total_q, nheads, headdim); k, v: (total_k, nheads_kv, headdim); cu_seqlens_q / _k:
     int32 (batch + 1,) prefix sums, on the device; max_seqlen_q / _k: Python ints that
     bound every length (static: they size the grid). Gradients flow to q, k, v and sinks;
-    the cu_seqlens get none. Under jax.vmap every mapped element is its own call.
+    the cu_seqlens get none. Under jax.vmap every mapped element is its own call. FP8 as
+    flash_attention (the descales (batch, nheads_kv), batch = len(cu_seqlens_q) - 1).
     """
     _check_qkv(q, k, v, 3, "(total_q, nheads, headdim)", "(total_k, nheads_kv, headdim)")
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
@@ -91,10 +106,13 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         raise ValueError(f"cu_seqlens_k: expected the shape of cu_seqlens_q "
                          f"{cu_seqlens_q.shape} (batch + 1,), got {cu_seqlens_k.shape}")
     _check_head_vectors(alibi_slopes, sinks, q.shape[-2], cu_seqlens_q.shape[0] - 1)
+    descales = (q_descale, k_descale, v_descale)
+    _check_descales(q.dtype, descales, cu_seqlens_q.shape[0] - 1, k.shape[-2])
     spec = _spec(True, q, causal, softmax_scale, window_size, softcap, deterministic,
                  _static_length(max_seqlen_q, "max_seqlen_q"),
                  _static_length(max_seqlen_k, "max_seqlen_k"), alibi_slopes)
-    return _attention(spec, q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks)
+    return _attention(spec, q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks,
+                      *descales)
 
 
 # ---- the differentiable function ------------------------------------------------------------
@@ -123,18 +141,29 @@ class _Spec:
                     window_size=self.window_size, softcap=self.softcap)
 
 
+# The last three arguments are the FP8 descales (None for 16-bit calls); they get no gradient.
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(spec, q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks):
-    return _forward(spec, q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks)[0]
+def _attention(spec, q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, q_descale,
+               k_descale, v_descale):
+    return _forward(spec, q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks,
+                    (q_descale, k_descale, v_descale))[0]
 
 
-def _attention_fwd(spec, q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks):
-    out, lse = _forward(spec, q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks)
+def _attention_fwd(spec, q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, q_descale,
+                   k_descale, v_descale):
+    out, lse = _forward(spec, q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks,
+                        (q_descale, k_descale, v_descale))
     return out, (q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks)
 
 
 def _attention_bwd(spec, residuals, dout):
     q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks = residuals
+    if q.dtype == _FP8:
+        raise TypeError(
+            "cuattn.jax: float8_e4m3fn q / k / v have no gradient (the FP8 forward, like "
+            "FlashAttention-3's, is forward-only); wrap FP8 inputs in jax.lax.stop_gradient, "
+            "or take gradients through 16-bit calls")
     shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)]
     if sinks is not None:
         shapes.append(jax.ShapeDtypeStruct(sinks.shape, jnp.float32))
@@ -143,23 +172,29 @@ def _attention_bwd(spec, residuals, dout):
     grads = call(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks)
     dsinks = grads[3] if sinks is not None else None
     dalibi = None if alibi_slopes is None else jnp.zeros_like(alibi_slopes)
-    return grads[0], grads[1], grads[2], None, None, dalibi, dsinks
+    return grads[0], grads[1], grads[2], None, None, dalibi, dsinks, None, None, None
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-def _forward(spec, q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks):
-    """(out, lse): one buffer_callback running cuattn's forward."""
+def _forward(spec, q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, descales):
+    """(out, lse): one buffer_callback running cuattn's forward (FP8: out bfloat16)."""
     if spec.varlen:
         lse_shape = (q.shape[1], q.shape[0])                  # (nheads, total_q)
     else:
         lse_shape = (q.shape[0], q.shape[2], q.shape[1])      # (batch, nheads, seqlen_q)
-    shapes = (jax.ShapeDtypeStruct(q.shape, q.dtype),
+    out_dtype = q.dtype
+    if q.dtype == _FP8:
+        # XLA's buffers give float8 no __cuda_array_interface__ typestr; their bytes as
+        # uint8 have one, and cuattn reads uint8 q, k, v as e4m3 (a bitcast: no copy).
+        out_dtype = jnp.bfloat16
+        q, k, v = (jax.lax.bitcast_convert_type(x, jnp.uint8) for x in (q, k, v))
+    shapes = (jax.ShapeDtypeStruct(q.shape, out_dtype),
               jax.ShapeDtypeStruct(lse_shape, jnp.float32))
     call = buffer_callback(_forward_callback(spec), shapes, vmap_method="expand_dims",
                            command_buffer_compatible=spec.command_buffer)
-    return call(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks)
+    return call(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, *descales)
 
 
 # One callback object per spec: jax caches compiled programs by the callback's identity,
@@ -176,25 +211,29 @@ def _backward_callback(spec):
 
 # ---- the callbacks (run by XLA, on its stream, with its buffers) ---------------------------
 
-def _run_forward(spec, ctx, outputs, q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks):
+def _run_forward(spec, ctx, outputs, q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks,
+                 q_descale, k_descale, v_descale):
     device = _device_of(q)
     stream = _stream_of(ctx, device)
     r = spec.rank
     arrays = _views(device, (outputs[0], r), (outputs[1], r - 1), (q, r), (k, r), (v, r),
                     (cu_seqlens_q, 1), (cu_seqlens_k, 1), (alibi_slopes, spec.alibi_rank),
-                    (sinks, 1))
+                    (sinks, 1), (q_descale, 2), (k_descale, 2), (v_descale, 2))
     options = spec.options()
 
     def work():
-        for out, lse, q, k, v, cu_q, cu_k, alibi, sink in _calls(spec, arrays, fold=True):
+        for (out, lse, q, k, v, cu_q, cu_k, alibi, sink,
+             *descales) in _calls(spec, arrays, fold=True):
+            fp8 = dict(zip(_DESCALES, descales))
             if spec.varlen:
                 _, lse_new = cuattn.flash_varlen_forward(
                     q, k, v, cu_q, cu_k, spec.max_seqlen_q, spec.max_seqlen_k, **options,
-                    alibi_slopes=alibi, sinks=sink, return_lse=True, out=out, stream=stream)
+                    alibi_slopes=alibi, sinks=sink, **fp8, return_lse=True, out=out,
+                    stream=stream)
             else:
                 _, lse_new = cuattn.flash_forward(
-                    q, k, v, **options, alibi_slopes=alibi, sinks=sink, return_lse=True,
-                    out=out, stream=stream)
+                    q, k, v, **options, alibi_slopes=alibi, sinks=sink, **fp8,
+                    return_lse=True, out=out, stream=stream)
             _copy(lse, lse_new, stream)
 
     _guarded(stream, device, work)
@@ -330,17 +369,20 @@ def _check_qkv(q, k, v, ndim: int, doc_q: str, doc_kv: str) -> None:
             raise TypeError(f"{name}: expected a jax.Array, got {type(x).__name__}")
         if len(x.shape) != ndim:
             raise ValueError(f"{name}: expected {ndim} dimensions {doc}, got shape {x.shape}")
-    if q.dtype not in (jnp.float16, jnp.bfloat16):
-        raise TypeError(f"q: expected dtype float16 or bfloat16, got {q.dtype}")
+    if q.dtype not in (jnp.float16, jnp.bfloat16, _FP8):
+        raise TypeError(f"q: expected dtype float16, bfloat16 or float8_e4m3fn, got {q.dtype}")
     for name, x in (("k", k), ("v", v)):
         if x.dtype != q.dtype:
-            raise TypeError(f"{name}: expected q's dtype {q.dtype}, got {x.dtype}")
+            raise TypeError(f"{name}: expected q's dtype {q.dtype} (no mixing of FP8 and "
+                            f"16-bit inputs), got {x.dtype}")
     if k.shape != v.shape:
         raise ValueError(f"v: expected the shape of k {k.shape}, got {v.shape}")
     head_dim, nheads, nheads_kv = q.shape[-1], q.shape[-2], k.shape[-2]
-    if head_dim % 8 or not 8 <= head_dim <= 256:
-        raise ValueError(f"q: head dim {head_dim} is not supported; expected a multiple of 8 "
-                         "from 8 to 256")
+    unit = 16 if q.dtype == _FP8 else 8       # FP8: rows of whole 16-byte vectors
+    if head_dim % unit or not unit <= head_dim <= 256:
+        raise ValueError(f"q: head dim {head_dim} is not supported; expected a multiple of "
+                         f"{unit} from {unit} to 256" +
+                         (" (float8_e4m3fn: 16-byte rows)" if unit == 16 else ""))
     if k.shape[-1] != head_dim:
         raise ValueError(f"k: head dim {k.shape[-1]} differs from q's {head_dim}")
     if nheads < 1 or nheads_kv < 1 or nheads % nheads_kv:
@@ -359,6 +401,21 @@ def _check_head_vectors(alibi_slopes, sinks, nheads: int, batch: int) -> None:
             doc = "(nheads,) or (batch, nheads)" if len(shapes) > 1 else "(nheads,)"
             expected = " or ".join(str(s) for s in shapes)
             raise ValueError(f"{name}: expected shape {expected} {doc}, got {x.shape}")
+
+
+def _check_descales(dtype, descales, batch: int, nheads_kv: int) -> None:
+    """FlashAttention-3's descales: FP8 calls only, float32 arrays (batch, nheads_kv)."""
+    for name, d in zip(_DESCALES, descales):
+        if d is None:
+            continue
+        if dtype != _FP8:
+            raise ValueError(f"{name}: only for float8_e4m3fn q / k / v, got {dtype}")
+        if not hasattr(d, "dtype") or d.dtype != jnp.float32:
+            raise TypeError(f"{name}: expected a float32 jax.Array of shape (batch, nheads_kv), "
+                            f"got {getattr(d, 'dtype', type(d).__name__)}")
+        if tuple(d.shape) != (batch, nheads_kv):
+            raise ValueError(f"{name}: expected shape {(batch, nheads_kv)} (batch, nheads_kv), "
+                             f"got {tuple(d.shape)}")
 
 
 def _spec(varlen, q, causal, softmax_scale, window_size, softcap, deterministic,

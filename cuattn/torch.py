@@ -3,6 +3,9 @@
 Each is a pair of ``torch.library.custom_op``s (``cuattn::flash_fwd`` / ``cuattn::flash_bwd``
 and their varlen forms) with a fake implementation and an autograd formula, so the same
 call runs eagerly, under ``torch.compile`` and inside ``torch.cuda.CUDAGraph`` capture.
+FP8 (FlashAttention-3's conventions, forward only): q, k, v of torch.float8_e4m3fn with
+optional float32 (batch, nheads_kv) descales give a bfloat16 output through the same
+forward ops; their backward is ``cuattn::flash_fp8_bwd``, which raises when it runs.
 cuattn runs on torch's current stream; the outputs are torch tensors cuattn writes in
 place (out=, dq=, dk=, dv=), and whatever cuattn allocates inside an op (lse before its
 copy, scratch) comes from torch's caching allocator on that stream, so a captured graph's
@@ -34,49 +37,67 @@ from ._interop import copy_async, device_view, external_stream
 __all__ = ["flash_attn_func", "flash_attn_varlen_func"]
 
 Tensor = torch.Tensor
+FP8 = torch.float8_e4m3fn
 _DTYPES = {torch.float16: np.dtype(np.float16), torch.bfloat16: np.dtype(ml_dtypes.bfloat16),
-           torch.float32: np.dtype(np.float32), torch.int32: np.dtype(np.int32)}
+           FP8: np.dtype(ml_dtypes.float8_e4m3fn), torch.float32: np.dtype(np.float32),
+           torch.int32: np.dtype(np.int32)}
+_DESCALES = ("q_descale", "k_descale", "v_descale")
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
-                    return_attn_probs=False):
+                    return_attn_probs=False, *, q_descale=None, k_descale=None,
+                    v_descale=None):
     """flash-attn's flash_attn_func: q (batch, seqlen_q, nheads, headdim), k, v (batch,
     seqlen_k, nheads_kv, headdim), float16 / bfloat16 CUDA tensors; causal aligned to the
     bottom-right corner; alibi_slopes float32 (nheads,). Returns out like q, or with
     return_attn_probs (out, softmax_lse, None): lse float32 (batch, nheads, seqlen_q) and
     no attention probabilities (flash-attn returns them only with dropout). Differentiable
     in q, k, v (alibi_slopes get no gradient; nor does lse). dropout_p must be 0.
+
+    FP8 (FlashAttention-3's flash_attn_func, sm_90 GPUs): q, k, v all torch.float8_e4m3fn,
+    their real values the stored ones times q_descale / k_descale / v_descale (float32
+    CUDA tensors (batch, nheads_kv), None: 1); out is bfloat16. Forward only: a backward
+    through an FP8 call raises RuntimeError when it runs.
     """
     options = _options(dropout_p, softmax_scale, causal, window_size, softcap, deterministic,
                        q, 4, "(batch, seqlen_q, nheads, headdim)")
-    q, k, v = _tensors(q, k, v, alibi_slopes)
-    out, lse = torch.ops.cuattn.flash_fwd(q, k, v, alibi_slopes, *options)
+    _check_dtypes(q, k, v, alibi_slopes, 4, "(batch, seqlen_k, nheads_kv, headdim)")
+    descales = (q_descale, k_descale, v_descale)
+    _check_descales(q, descales, q.shape[0], k.shape[-2])
+    q, k, v = _on_cuda(q=q, k=k, v=v, **dict(zip(_DESCALES, descales)))
+    out, lse = torch.ops.cuattn.flash_fwd(q, k, v, alibi_slopes, *options, *descales)
     return (out, lse, None) if return_attn_probs else out
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            dropout_p=0.0, softmax_scale=None, causal=False,
                            window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                           deterministic=False, return_attn_probs=False):
+                           deterministic=False, return_attn_probs=False, *, q_descale=None,
+                           k_descale=None, v_descale=None):
     """flash-attn's flash_attn_varlen_func: q (total_q, nheads, headdim), k, v (total_k,
     nheads_kv, headdim); cu_seqlens_q / _k int32 (batch + 1,) CUDA tensors; max_seqlen_q /
     _k ints that bound every length. Returns out, or (out, softmax_lse, None) with lse
-    float32 (nheads, total_q). Options and gradients as flash_attn_func.
+    float32 (nheads, total_q). Options, gradients and FP8 as flash_attn_func (the
+    descales (batch, nheads_kv), batch = len(cu_seqlens_q) - 1).
     """
     options = _options(dropout_p, softmax_scale, causal, window_size, softcap, deterministic,
                        q, 3, "(total_q, nheads, headdim)")
-    q, k, v = _tensors(q, k, v, alibi_slopes)
+    _check_dtypes(q, k, v, alibi_slopes, 3, "(total_k, nheads_kv, headdim)")
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
-        if not isinstance(cu, Tensor) or cu.dtype != torch.int32 or not cu.is_cuda:
+        if not isinstance(cu, Tensor) or cu.dtype != torch.int32 or cu.dim() != 1:
             raise TypeError(f"{name}: expected an int32 CUDA tensor of shape (batch + 1,), "
                             f"got {getattr(cu, 'dtype', type(cu).__name__)}")
     for name, n in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if isinstance(n, bool) or not isinstance(n, (int, torch.SymInt)):
             raise TypeError(f"{name}: expected an int, got {type(n).__name__}")
+    descales = (q_descale, k_descale, v_descale)
+    _check_descales(q, descales, cu_seqlens_q.shape[0] - 1, k.shape[-2])
+    q, k, v = _on_cuda(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                       **dict(zip(_DESCALES, descales)))
     out, lse = torch.ops.cuattn.flash_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k,
                                                  max_seqlen_q, max_seqlen_k, alibi_slopes,
-                                                 *options)
+                                                 *options, *descales)
     return (out, lse, None) if return_attn_probs else out
 
 
@@ -99,36 +120,79 @@ def _options(dropout_p, softmax_scale, causal, window_size, softcap, determinist
     return scale, causal, left, right, check_softcap(softcap), deterministic
 
 
-def _tensors(q, k, v, alibi_slopes):
-    """q, k, v with a contiguous last dimension (flash-attn's rule: copied when not)."""
+# The checks run in two stages: everything that needs no GPU (types, dtypes, shapes of the
+# descales), then where the tensors are (_on_cuda).
+
+def _check_dtypes(q, k, v, alibi_slopes, ndim: int, doc_kv: str) -> None:
+    """q float16, bfloat16 or float8_e4m3fn; k, v tensors of ``ndim`` dimensions and q's
+    dtype (no mixing of FP8 and 16-bit inputs); alibi_slopes float32."""
     for name, x in (("k", k), ("v", v)):
         if not isinstance(x, Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if not x.is_cuda:
-            raise ValueError(f"{name}: expected a CUDA tensor, got one on {x.device}")
-        if x.dtype not in (torch.float16, torch.bfloat16):
-            raise TypeError(f"{name}: expected dtype float16 or bfloat16, got {x.dtype}")
+        if x.dim() != ndim:
+            raise ValueError(f"{name}: expected {ndim} dimensions {doc_kv}, got shape "
+                             f"{tuple(x.shape)}")
+    if q.dtype not in (torch.float16, torch.bfloat16, FP8):
+        raise TypeError(f"q: expected dtype float16, bfloat16 or float8_e4m3fn, got {q.dtype}")
+    for name, x in (("k", k), ("v", v)):
+        if x.dtype != q.dtype:
+            raise TypeError(f"{name}: expected q's dtype {q.dtype} (no mixing of FP8 and "
+                            f"16-bit inputs), got {x.dtype}")
     if alibi_slopes is not None and (not isinstance(alibi_slopes, Tensor)
                                      or alibi_slopes.dtype != torch.float32):
         raise TypeError(f"alibi_slopes: expected a float32 CUDA tensor of shape (nheads,), "
                         f"got {getattr(alibi_slopes, 'dtype', type(alibi_slopes).__name__)}")
-    return tuple(x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+
+
+def _check_descales(q, descales, batch: int, nheads_kv: int) -> None:
+    """FlashAttention-3's descales: FP8 calls only, float32 tensors (batch, nheads_kv)."""
+    for name, d in zip(_DESCALES, descales):
+        if d is None:
+            continue
+        if q.dtype != FP8:
+            raise ValueError(f"{name}: only for float8_e4m3fn q / k / v, got {q.dtype}")
+        if not isinstance(d, Tensor) or d.dtype != torch.float32:
+            raise TypeError(f"{name}: expected a float32 CUDA tensor of shape (batch, "
+                            f"nheads_kv), got {getattr(d, 'dtype', type(d).__name__)}")
+        if tuple(d.shape) != (batch, nheads_kv):
+            raise ValueError(f"{name}: expected shape {(batch, nheads_kv)} (batch, "
+                             f"nheads_kv), got {tuple(d.shape)}")
+
+
+def _on_cuda(**tensors) -> tuple:
+    """Each of ``tensors`` (None: absent) on a CUDA device; -> q, k, v with a contiguous
+    last dimension (flash-attn's rule: copied when not)."""
+    for name, x in tensors.items():
+        if x is not None and not x.is_cuda:
+            raise ValueError(f"{name}: expected a CUDA tensor, got one on {x.device}")
+    return tuple(x if x.stride(-1) == 1 else x.contiguous()
+                 for x in (tensors["q"], tensors["k"], tensors["v"]))
+
+
+def _out_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The forward's output dtype: q's, bfloat16 for FP8 (FlashAttention-3's)."""
+    return torch.bfloat16 if dtype == FP8 else dtype
 
 
 # ---- the ops --------------------------------------------------------------------------------
 
+# The forward ops take the FP8 descales last, as optional tensors (None for 16-bit calls).
+
 @torch.library.custom_op("cuattn::flash_fwd", mutates_args=(), device_types="cuda")
 def _flash_fwd(q: Tensor, k: Tensor, v: Tensor, alibi_slopes: Optional[Tensor],
                softmax_scale: float, causal: bool, window_left: int, window_right: int,
-               softcap: float, deterministic: bool) -> tuple[Tensor, Tensor]:
-    out = torch.empty_like(q)
+               softcap: float, deterministic: bool, q_descale: Optional[Tensor] = None,
+               k_descale: Optional[Tensor] = None,
+               v_descale: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    out = torch.empty_like(q, dtype=_out_dtype(q.dtype))
     lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
     with _on_torch_stream(q) as stream:
         _, lse_new = cuattn.flash_forward(
             _view(q), _view(k), _view(v), causal=causal, softmax_scale=softmax_scale,
             window_size=(window_left, window_right), softcap=softcap,
-            alibi_slopes=_view(alibi_slopes), return_lse=True, out=_view(out), stream=stream)
+            alibi_slopes=_view(alibi_slopes), q_descale=_view(q_descale),
+            k_descale=_view(k_descale), v_descale=_view(v_descale), return_lse=True,
+            out=_view(out), stream=stream)
         copy_async(_view(lse), lse_new, stream)
     return out, lse
 
@@ -138,15 +202,19 @@ def _flash_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
                       cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
                       alibi_slopes: Optional[Tensor], softmax_scale: float, causal: bool,
                       window_left: int, window_right: int, softcap: float,
-                      deterministic: bool) -> tuple[Tensor, Tensor]:
-    out = torch.empty_like(q)
+                      deterministic: bool, q_descale: Optional[Tensor] = None,
+                      k_descale: Optional[Tensor] = None,
+                      v_descale: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    out = torch.empty_like(q, dtype=_out_dtype(q.dtype))
     lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
     with _on_torch_stream(q) as stream:
         _, lse_new = cuattn.flash_varlen_forward(
             _view(q), _view(k), _view(v), _view(cu_seqlens_q), _view(cu_seqlens_k),
             max_seqlen_q, max_seqlen_k, causal=causal, softmax_scale=softmax_scale,
             window_size=(window_left, window_right), softcap=softcap,
-            alibi_slopes=_view(alibi_slopes), return_lse=True, out=_view(out), stream=stream)
+            alibi_slopes=_view(alibi_slopes), q_descale=_view(q_descale),
+            k_descale=_view(k_descale), v_descale=_view(v_descale), return_lse=True,
+            out=_view(out), stream=stream)
         copy_async(_view(lse), lse_new, stream)
     return out, lse
 
@@ -185,15 +253,34 @@ def _flash_varlen_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor
     return dq, dk, dv
 
 
+@torch.library.custom_op("cuattn::flash_fp8_bwd", mutates_args=())
+def _flash_fp8_bwd(dout: Tensor, q: Tensor, k: Tensor,
+                   v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The backward of an FP8 forward: there is none (FlashAttention-3's FP8 forward has
+    none either). An op, not a raise in the autograd formula, so that torch.compile can
+    trace a backward (AOT autograd does so with the forward) that fails only if it runs;
+    it takes dout so that the partitioner cannot move it into the forward graph."""
+    raise RuntimeError(
+        "cuattn.torch: float8_e4m3fn q / k / v have no backward (the FP8 forward, like "
+        "FlashAttention-3's, is forward-only); run FP8 calls on tensors that need no "
+        "gradient (detach them, or torch.no_grad()), or take gradients through 16-bit calls")
+
+
 @_flash_fwd.register_fake
 def _fake_fwd(q, k, v, alibi_slopes, *options):
-    return (torch.empty_like(q),
+    return (torch.empty_like(q, dtype=_out_dtype(q.dtype)),
             q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32))
 
 
 @_flash_varlen_fwd.register_fake
 def _fake_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, *options):
-    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+    return (torch.empty_like(q, dtype=_out_dtype(q.dtype)),
+            q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32))
+
+
+@_flash_fp8_bwd.register_fake
+def _fake_fp8_bwd(dout, q, k, v):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 @_flash_bwd.register_fake
@@ -209,23 +296,30 @@ def _fake_varlen_bwd(dout, q, k, v, *rest):
 # ---- autograd: the forward keeps (q, k, v, out, lse); lse gets no gradient -------------------
 
 def _setup_context(ctx, inputs, output):
-    varlen = len(inputs) == 14          # flash_varlen_fwd's inputs; flash_fwd has 10
+    # inputs: q, k, v, [cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k: varlen],
+    # alibi_slopes, the 6 options (softmax_scale ... deterministic), the 3 FP8 descales
+    varlen = len(inputs) == 17          # flash_varlen_fwd's inputs; flash_fwd has 13
     cu_seqlens = inputs[3:5] if varlen else ()
     ctx.max_seqlens = tuple(inputs[5:7]) if varlen else None
-    ctx.options = inputs[-6:]           # softmax_scale, causal, window, softcap, deterministic
-    ctx.save_for_backward(*inputs[:3], *output, *cu_seqlens, inputs[-7])   # ..., alibi_slopes
+    ctx.options = inputs[-9:-3]
+    ctx.num_inputs = len(inputs)
+    ctx.save_for_backward(*inputs[:3], *output, *cu_seqlens, inputs[-10])  # ..., alibi_slopes
     ctx.mark_non_differentiable(output[1])
 
 
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse, *cu_seqlens, alibi_slopes = ctx.saved_tensors
+    none = (None,) * (ctx.num_inputs - 3)
+    if q.dtype == FP8:
+        return torch.ops.cuattn.flash_fp8_bwd(dout, q, k, v) + none
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
     if ctx.max_seqlens is None:
         grads = torch.ops.cuattn.flash_bwd(dout, q, k, v, out, lse, alibi_slopes, *ctx.options)
-        return grads + (None,) * 7
-    grads = torch.ops.cuattn.flash_varlen_bwd(dout, q, k, v, out, lse, *cu_seqlens,
-                                              *ctx.max_seqlens, alibi_slopes, *ctx.options)
-    return grads + (None,) * 11
+    else:
+        grads = torch.ops.cuattn.flash_varlen_bwd(dout, q, k, v, out, lse, *cu_seqlens,
+                                                  *ctx.max_seqlens, alibi_slopes,
+                                                  *ctx.options)
+    return grads + none
 
 
 torch.library.register_autograd("cuattn::flash_fwd", _backward, setup_context=_setup_context)

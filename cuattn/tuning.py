@@ -18,7 +18,7 @@ from .variants import (FEAT_ALIBI, FEAT_PACK_GQA, FEAT_SOFTCAP, KV_DENSE,
                        FlashCombineVariant, FlashFwdSm90Variant, FlashFwdVariant,
                        FlashInferTablesVariant, KvCacheAppendVariant, MergeVariant,
                        PagedMmaVariant, PagedReduceVariant, PagedSimtVariant,
-                       ReshapeCacheVariant)
+                       QuantizeE4m3Variant, ReshapeCacheVariant)
 
 # ---- overrides (sweeps and tests) ---------------------------------------------------------------
 
@@ -675,6 +675,16 @@ KVCACHE_APPEND_NUM_THREADS = 128
 
 def kvcache_append_variant(dtype: str) -> KvCacheAppendVariant:
     return KvCacheAppendVariant(dtype, KVCACHE_APPEND_NUM_THREADS)
+
+
+# paged_prefill's 16-bit queries quantized for the FP8 forward (q_scale): a block per row,
+# a thread per 16-byte output vector. A first guess, not measured: the pass reads q once,
+# next to nothing beside the attention after it.
+QUANTIZE_NUM_THREADS = 128
+
+
+def quantize_variant(dtype: str) -> QuantizeE4m3Variant:
+    return QuantizeE4m3Variant(dtype, QUANTIZE_NUM_THREADS)
 
 
 # Shipped (precompiled) paged set: 16-bit caches of the activation dtype x these head sizes

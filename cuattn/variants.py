@@ -135,6 +135,14 @@ KVCACHE_APPEND_PARAMS = ParamsStruct("KvCacheAppendParams", [
     ("batch_cache", "i32"), ("cache_len", "i32"),
 ])
 
+QUANTIZE_PARAMS = ParamsStruct("QuantizeE4m3Params", [
+    ("x", "ptr"), ("out", "out"), ("scales", "ptr"),
+    ("x_stride_row", "i64"), ("x_stride_head", "i64"),
+    ("out_stride_row", "i64"), ("out_stride_head", "i64"),
+    ("scale", "f32"), ("num_heads", "i32"), ("head_dim", "i32"), ("head_group", "i32"),
+    ("scales_stride", "i32"),
+])
+
 # Mask kinds of the flash kernel (cuda_src/common/mask.cuh kMask*).
 MASK_NONE, MASK_CAUSAL, MASK_WINDOW = 0, 1, 2
 _MASK_NAMES = {MASK_NONE: "c0", MASK_CAUSAL: "c1", MASK_WINDOW: "win"}
@@ -262,9 +270,10 @@ class FlashFwdSm90Variant(Variant):
         if (self.out not in ("f16", "bf16")) if fp8 else self.out != "":
             raise ValueError(f"FlashFwdSm90Variant: out f16 / bf16 for e4m3, else '' "
                              f"(got {self.out!r})")
-        if fp8 and (not self.tma or self.kv != KV_DENSE or self.head_dim % 128 or
+        if fp8 and (not self.tma or self.kv == KV_PAGED_VLLM or self.head_dim % 128 or
                     self.block_n % 32):
-            raise ValueError("FlashFwdSm90Variant: e4m3 loads dense K / V by TMA, head_dim a "
+            raise ValueError("FlashFwdSm90Variant: e4m3 loads dense or NHD-paged K / V by "
+                             "TMA, head_dim a "
                              f"multiple of 128 and block_n of 32 (got tma {self.tma}, kv "
                              f"{self.kv}, {self.head_dim}, {self.block_n})")
 
@@ -758,6 +767,25 @@ class KvCacheAppendVariant(Variant):
     kernel: ClassVar[str] = "kvcache_append_kernel"
     traits: ClassVar[str] = "KvCacheAppendTraits"
     params: ClassVar[ParamsStruct] = KVCACHE_APPEND_PARAMS
+
+    def name_parts(self):
+        return (self.dtype, f"t{self.threads}")
+
+    def traits_args(self):
+        return (BY_SHORT[self.dtype].cpp, self.threads)
+
+
+@dataclass(frozen=True)
+class QuantizeE4m3Variant(Variant):
+    """e4m3 queries from 16-bit ones (cuda_src/quantize_e4m3.cuh): paged_prefill's q_scale."""
+    dtype: str            # the input's: f16 / bf16
+    threads: int
+
+    op: ClassVar[str] = "quantize_e4m3"
+    header: ClassVar[str] = "quantize_e4m3.cuh"
+    kernel: ClassVar[str] = "quantize_e4m3_kernel"
+    traits: ClassVar[str] = "QuantizeE4m3Traits"
+    params: ClassVar[ParamsStruct] = QUANTIZE_PARAMS
 
     def name_parts(self):
         return (self.dtype, f"t{self.threads}")

@@ -50,7 +50,8 @@ struct FlashFwdSm90Traits : FlashFeatures<FEATURES_> {
   // ([dim][key], transpose_v) for the consumers; P = 2^P_SHIFT exp(S - max) (FlashAttention-3's
   // Max_offset: P in [0, 256], e4m3 normals reach down to 2^-14 of the row max; WarpSoftmax
   // divides the factor out of the sum and the accumulator), packed to e4m3 in registers.
-  // Dense K / V by TMA only; the head dim a multiple of 128 (whole 128-byte rows).
+  // Dense or NHD-paged K / V by TMA only (vLLM's V cache lands [dim][key] in 16-key rows, no
+  // layout the V^T ring takes); the head dim a multiple of 128 (whole 128-byte rows).
   static constexpr bool FP8 = sizeof(T_) == 1;
   static constexpr int ELEM = sizeof(T_);
   static constexpr int COLS = 128 / ELEM;       // columns of a 128-byte-swizzled column block
@@ -146,8 +147,8 @@ struct FlashFwdSm90Traits : FlashFeatures<FEATURES_> {
   static_assert(sizeof(T) == 2 || FP8, "fp16 / bf16, or e4m3");
   static_assert(sizeof(OutT) == 2 && (FP8 || sizeof(OutT) == sizeof(T)), "a 16-bit output");
   static_assert(HEAD_DIM % COLS == 0 && HEAD_DIM <= 256, "head dim: whole 128-byte column blocks");
-  static_assert(!FP8 || (TMA_ && KV_ == kKvDense && BLOCK_N % 32 == 0),
-                "FP8: dense K / V by TMA, key tiles of whole k32 steps");
+  static_assert(!FP8 || (TMA_ && KV_ != kKvPagedVllm && BLOCK_N % 32 == 0),
+                "FP8: dense or NHD-paged K / V by TMA, key tiles of whole k32 steps");
   static_assert(BLOCK_M % 64 == 0 && BLOCK_M <= 192, "one to three consumer warpgroups");
   static_assert(BLOCK_N % 16 == 0 && BLOCK_N <= 256, "wgmma N of S = Q K^T");
   // The block launches with LAUNCH_REGS registers per thread (min_blocks 1: ptxas takes all
@@ -601,9 +602,7 @@ __device__ __forceinline__ void tma_produce(const FlashFwdParams& p, const Flash
                     blk.kvh, batch);
       }
     };
-    auto tma_tile = [&](u32 tile, const TmaDescriptor& map, u32 full, u32 empty, int phase,
-                        int key0, bool v) {
-      mbar_wait(empty, phase ^ 1);
+    auto load_tile = [&](u32 tile, const TmaDescriptor& map, u32 full, int key0, bool v) {
       if constexpr (Tr::PAGED) {
         const int lane = ptid % 32;
         // (VLLM: the block shift re-read here, not held across the walk: 40 registers)
@@ -622,14 +621,19 @@ __device__ __forceinline__ void tma_produce(const FlashFwdParams& p, const Flash
           } else {
 #pragma unroll
             for (int cb = 0; cb < COL_BLOCKS; ++cb) {
-              tma_load_4d(tile + cb * (BN * 128) + lane * (box * 128), map, full, cb * 64,
-                          slot, blk.kvh, page);
+              tma_load_4d(tile + cb * (BN * 128) + lane * (box * 128), map, full,
+                          cb * Tr::COLS, slot, blk.kvh, page);
             }
           }
         }
       } else {
         load_rows(tile, map, full, key0);
       }
+    };
+    auto tma_tile = [&](u32 tile, const TmaDescriptor& map, u32 full, u32 empty, int phase,
+                        int key0, bool v) {
+      mbar_wait(empty, phase ^ 1);
+      load_tile(tile, map, full, key0, v);
     };
     const KeyTiles& tiles = blk.tiles;
     if (tiles.n_steps == 0 && ptid == 0) load_q();
@@ -664,7 +668,7 @@ __device__ __forceinline__ void tma_produce(const FlashFwdParams& p, const Flash
         // V into the V ring (its stage freed by this warpgroup's transpose of step n -
         // STAGES, which ended at the producer barrier), then the transpose of step n - 1
         // while it lands
-        if (ptid == 0) load_rows(sm.v_tile(s), maps.v, sm.v_raw_full(s), key0);
+        if (v_warp) load_tile(sm.v_tile(s), maps.v, sm.v_raw_full(s), key0, true);
         if (n > 0) {
           transpose_v<Tr>(sm, blk.first_step + n - 1, blk.kr.len - tiles.tile_of(n - 1) * BN,
                           ptid);
@@ -1023,9 +1027,9 @@ __device__ void flash_fwd_sm90_kernel(const FlashFwdParams& p, const FlashTmaMap
         FINISH_SINKS ? static_cast<const float*>(p.sinks)[blk.head] * p.softmax_scale_inv / unit
                      : 0.f;
     auto rows = softmax.template finish<FINISH_SINKS>(sink);
-    if constexpr (Tr::FP8) {   // O = v_descale x P V
-      const float vd = descale_of(p.v_descale, p.v_descale_stride_batch, p.v_descale_stride_head,
-                                  blk.b, blk.kvh);
+    if constexpr (Tr::FP8) {   // O = v_descale x P V (paged: the host's v_scale too)
+      const float vd = p.v_scale * descale_of(p.v_descale, p.v_descale_stride_batch,
+                                              p.v_descale_stride_head, blk.b, blk.kvh);
       rows.inv_sum[0][0] *= vd;
       rows.inv_sum[0][1] *= vd;
     }

@@ -5,10 +5,13 @@ Two kinds of tests (both skip without JAX):
 - CPU (plumbing): the custom_vjp, the buffer callbacks and their vmap rule on JAX's CPU
   backend, with NumPy stand-ins for cuattn's kernels (float64 forward and backward of
   tests/reference.py and tests/adapter_reference.py) and for the CuPy views: everything
-  but the kernels and the stream, against jax.numpy attention differentiated by JAX.
+  but the kernels and the stream, against jax.numpy attention differentiated by JAX. FP8:
+  the descales reach the forward in their slots (the stand-in dequantizes), out is
+  bfloat16, a gradient is a TypeError when traced, bad FP8 inputs raise before tracing.
 - GPU: the real kernels on XLA's stream, against jax.nn.dot_product_attention (or the
   jax.numpy attention where it lacks the option) in float32, by the project's tolerance
-  rule (tests/reference.py), with XLA's command buffers on and off.
+  rule (tests/reference.py), with XLA's command buffers on and off. FP8 (sm_90 only): the
+  same bits as cuattn.flash_forward / flash_varlen_forward on the same inputs.
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ import pytest
 
 from tests.adapter_reference import (alibi_row, attention_grads_reference, forward_reference,
                                      jax_attention)
-from tests.reference import attention_reference, grad_tolerance, tolerance
+from tests.reference import attention_reference, fp8_dequantized, grad_tolerance, tolerance
 
 jax = pytest.importorskip("jax", exc_type=ImportError)
 jnp = pytest.importorskip("jax.numpy")
@@ -31,7 +34,12 @@ import cuattn  # noqa: E402
 # ---- CPU: the plumbing, with NumPy stand-ins for the kernels --------------------------------
 
 def _fake_forward(q, k, v, *, causal, softmax_scale, window_size, softcap, alibi_slopes,
-                  sinks, return_lse, out, stream):
+                  sinks, q_descale, k_descale, v_descale, return_lse, out, stream):
+    if q.dtype == np.uint8:     # FP8 (cuattn.jax passes e4m3 bytes): the real values
+        q, k, v = (x.view(jnp.float8_e4m3fn) for x in (q, k, v))
+        ones = np.ones((q.shape[0], k.shape[2]), np.float32)
+        q, k, v = (fp8_dequantized(x, ones if d is None else d)
+                   for x, d in ((q, q_descale), (k, k_descale), (v, v_descale)))
     o, lse = forward_reference(q, k, v, softmax_scale, causal=causal, window=window_size,
                                softcap=softcap, alibi=alibi_slopes, sinks=sinks)
     out[...] = o.astype(out.dtype)
@@ -55,11 +63,14 @@ def _segments(cu_q, cu_k):
             for b in range(len(cu_q) - 1)]
 
 
-def _fake_varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, *, out, **options):
+def _fake_varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, *, out, q_descale, k_descale,
+                         v_descale, **options):
     lse = np.zeros((q.shape[1], q.shape[0]), np.float32)
-    for sq, sk in _segments(cu_q, cu_k):
+    for b, (sq, sk) in enumerate(_segments(cu_q, cu_k)):
+        rows = {name: None if d is None else d[b:b + 1] for name, d in
+                (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale))}
         _, seg_lse = _fake_forward(q[None, sq], k[None, sk], v[None, sk], out=out[None, sq],
-                                   **options)
+                                   **rows, **options)
         lse[:, sq] = seg_lse[0]
     return out, lse
 
@@ -235,7 +246,116 @@ def test_plumbing_eager_calls_reuse_one_compiled_program(on_cpu):
                                   np.asarray(cjax.flash_attention(q, k, v, causal=True)))
 
 
+# ---- CPU: FP8 plumbing ----------------------------------------------------------------------
+
+def _fp8_inputs(seed, shape_q, shape_kv, shape_descale=None):
+    """q, k, v float8_e4m3fn jax arrays and three float32 descales of ``shape_descale``
+    (None: no descales), each in its own range, so that a swapped v_descale shows (q's and
+    k's act through their product alone)."""
+    rng = np.random.default_rng(seed)
+    q, k, v = (jnp.asarray(rng.standard_normal(s) * 4, jnp.float8_e4m3fn)
+               for s in (shape_q, shape_kv, shape_kv))
+    if shape_descale is None:
+        return q, k, v, None, None, None
+    return (q, k, v) + tuple(jnp.asarray(rng.uniform(lo, lo + 0.5, shape_descale), jnp.float32)
+                             for lo in (0.1, 0.7, 1.5))
+
+
+def _fp8_reference(q, k, v, qd, kd, vd, scale, **options):
+    """Float64 attention of the dequantized inputs (batch, s, heads, D)."""
+    ones = np.ones((q.shape[0], k.shape[2]), np.float32)
+    qr, kr, vr = (fp8_dequantized(np.asarray(x), ones if d is None else np.asarray(d))
+                  for x, d in ((q, qd), (k, kd), (v, vd)))
+    return forward_reference(qr, kr, vr, scale, **options)[0]
+
+
+@pytest.mark.parametrize("descales", [True, False], ids=["descales", "no-descales"])
+@pytest.mark.parametrize("causal", [False, True], ids=["plain", "causal"])
+def test_plumbing_fp8_forward(on_cpu, descales, causal):
+    """jitted FP8 flash_attention (GQA): bfloat16 out, the attention of the dequantized
+    inputs, each descale in its own slot."""
+    q, k, v, qd, kd, vd = _fp8_inputs(20, (2, 5, 4, 16), (2, 7, 2, 16),
+                                      (2, 2) if descales else None)
+
+    @jax.jit
+    def ours(q, k, v, qd, kd, vd):
+        return cjax.flash_attention(q, k, v, causal=causal, q_descale=qd, k_descale=kd,
+                                    v_descale=vd)
+
+    out = ours(q, k, v, qd, kd, vd)
+    assert out.dtype == jnp.bfloat16 and out.shape == q.shape
+    want = _fp8_reference(q, k, v, qd, kd, vd, 0.25, causal=causal)
+    _assert_close(out, want, jnp.bfloat16, what="out")
+
+
+def test_plumbing_fp8_varlen(on_cpu):
+    """flash_attention_varlen in FP8: sequence b takes row b of each descale."""
+    lengths_q, lengths_k = [3, 0, 5], [4, 2, 6]
+    cu_q = jnp.asarray(np.cumsum([0] + lengths_q), jnp.int32)
+    cu_k = jnp.asarray(np.cumsum([0] + lengths_k), jnp.int32)
+    q, k, v, qd, kd, vd = _fp8_inputs(21, (sum(lengths_q), 4, 16), (sum(lengths_k), 2, 16),
+                                      (3, 2))
+    out = jax.jit(lambda *a: cjax.flash_attention_varlen(
+        *a[:3], cu_q, cu_k, 5, 6, causal=True, q_descale=a[3], k_descale=a[4],
+        v_descale=a[5]))(q, k, v, qd, kd, vd)
+    assert out.dtype == jnp.bfloat16
+    for b in range(3):
+        sq = slice(int(cu_q[b]), int(cu_q[b + 1]))
+        sk = slice(int(cu_k[b]), int(cu_k[b + 1]))
+        if sq.start == sq.stop:
+            continue
+        want = _fp8_reference(q[None, sq], k[None, sk], v[None, sk], qd[b:b + 1],
+                              kd[b:b + 1], vd[b:b + 1], 0.25, causal=True)
+        _assert_close(out[sq], want[0], jnp.bfloat16, what=f"out of sequence {b}")
+
+
+@pytest.mark.parametrize("mapped", ["all", "descales unmapped"])
+def test_plumbing_fp8_vmap(on_cpu, mapped):
+    """jax.vmap of an FP8 call: descales mapped with q, k, v fold into the batch with
+    them; unmapped ones broadcast over the mapped axis; the same bits as each element."""
+    d_axis = 0 if mapped == "all" else None
+    q, k, v, *ds = _fp8_inputs(23, (3, 2, 6, 4, 16), (3, 2, 6, 2, 16),
+                               (3, 2, 2) if d_axis == 0 else (2, 2))
+
+    def f(q, k, v, qd, kd, vd):
+        return cjax.flash_attention(q, k, v, causal=True, q_descale=qd, k_descale=kd,
+                                    v_descale=vd)
+
+    batched = jax.jit(jax.vmap(f, in_axes=(0, 0, 0) + (d_axis,) * 3))(q, k, v, *ds)
+    for i in range(3):
+        di = [d[i] for d in ds] if d_axis == 0 else ds
+        np.testing.assert_array_equal(np.asarray(batched[i]),
+                                      np.asarray(f(q[i], k[i], v[i], *di)))
+
+
+def test_plumbing_fp8_gradient_is_a_type_error(on_cpu):
+    """FP8 is forward-only: jax.grad (and a vjp's pullback) raise TypeError naming
+    float8_e4m3fn when the backward is traced; stop_gradient'ed inputs run the forward."""
+    q, k, v, qd, kd, vd = _fp8_inputs(25, (1, 4, 2, 16), (1, 4, 2, 16), (1, 2))
+
+    def loss(q, k, v):
+        out = cjax.flash_attention(q, k, v, q_descale=qd, k_descale=kd, v_descale=vd)
+        return jnp.sum(out.astype(jnp.float32))
+
+    with pytest.raises(TypeError, match="float8_e4m3fn"):
+        jax.grad(loss)(q, k, v)
+    with pytest.raises(TypeError, match="float8_e4m3fn"):
+        jax.jit(jax.grad(loss, argnums=2))(q, k, v)
+    value, pullback = jax.vjp(loss, q, k, v)          # the forward alone runs
+    with pytest.raises(TypeError, match="float8_e4m3fn"):
+        pullback(jnp.ones_like(value))
+    stopped = jax.jit(lambda q, k, v: loss(*map(jax.lax.stop_gradient, (q, k, v))))
+    assert np.isfinite(float(stopped(q, k, v)))
+
+
 # ---- CPU: bad inputs raise before anything is traced ----------------------------------------
+
+def _E4M3(shape):
+    return jnp.zeros(shape, jnp.float8_e4m3fn)
+
+
+FP8 = dict(q=_E4M3((1, 8, 4, 64)), k=_E4M3((1, 8, 2, 64)), v=_E4M3((1, 8, 2, 64)))
+
 
 def _bad(**change):
     q = jnp.zeros((1, 8, 4, 64), jnp.bfloat16)
@@ -264,10 +384,31 @@ def _bad(**change):
     (dict(softcap=-1.0), ValueError, "softcap"),
     (dict(sinks=jnp.zeros(4, jnp.float16)), TypeError, "sinks"),
     (dict(alibi_slopes=jnp.zeros(2, jnp.float32)), ValueError, "alibi_slopes"),
+    # FP8
+    (dict(q=jnp.zeros((1, 8, 4, 64), jnp.float8_e4m3fn)), TypeError, "k"),      # mixed
+    (dict(q=_E4M3((1, 8, 4, 64)), k=_E4M3((1, 8, 2, 64))), TypeError, "v"),
+    (dict(q=jnp.zeros((1, 8, 4, 64), jnp.float8_e5m2)), TypeError, "q"),
+    (dict(q=_E4M3((1, 8, 4, 40)), k=_E4M3((1, 8, 2, 40)), v=_E4M3((1, 8, 2, 40))),
+     ValueError, "q"),                                      # FP8 head dims: multiples of 16
+    (dict(q_descale=jnp.ones((1, 2), jnp.float32)), ValueError, "q_descale"),   # 16-bit
+    (dict(FP8, k_descale=jnp.ones((1, 2), jnp.float16)), TypeError, "k_descale"),
+    (dict(FP8, v_descale=np.ones((1, 2), np.float64)), TypeError, "v_descale"),
+    (dict(FP8, q_descale=jnp.ones((1, 4), jnp.float32)), ValueError, "q_descale"),
+    (dict(FP8, k_descale=jnp.ones((2,), jnp.float32)), ValueError, "k_descale"),
 ])
 def test_bad_inputs_name_the_argument(change, error, name):
     with pytest.raises(error, match=rf"^{name}: "):
         _bad(**change)()
+
+
+def test_bad_fp8_inputs_raise_at_trace_time():
+    """Under jax.jit the descales' shapes and dtypes are checked when the call is traced."""
+    q, kv = _E4M3((1, 8, 4, 64)), _E4M3((1, 8, 2, 64))
+    call = jax.jit(lambda d: cjax.flash_attention(q, kv, kv, v_descale=d))
+    with pytest.raises(ValueError, match="^v_descale: "):
+        call(jnp.ones((1, 4), jnp.float32))
+    with pytest.raises(TypeError, match="^v_descale: "):
+        call(jnp.ones((1, 2), jnp.int32))
 
 
 def test_bad_varlen_inputs_name_the_argument():
@@ -282,6 +423,12 @@ def test_bad_varlen_inputs_name_the_argument():
         cjax.flash_attention_varlen(q, kv, kv, cu, cu, 8, -1)
     with pytest.raises(TypeError, match="^max_seqlen_q: "):
         jax.jit(lambda n: cjax.flash_attention_varlen(q, kv, kv, cu, cu, n, 8))(8)
+    q8, kv8 = q.astype(jnp.float8_e4m3fn), kv.astype(jnp.float8_e4m3fn)
+    with pytest.raises(ValueError, match="^k_descale: "):     # batch: len(cu_seqlens_q) - 1
+        cjax.flash_attention_varlen(q8, kv8, kv8, cu, cu, 8, 8,
+                                    k_descale=jnp.ones((2, 2), jnp.float32))
+    with pytest.raises(TypeError, match="^v: "):
+        cjax.flash_attention_varlen(q8, kv8, kv, cu, cu, 8, 8)
 
 
 # ---- GPU: the real kernels on XLA's stream --------------------------------------------------
@@ -458,3 +605,130 @@ def test_repeated_jitted_steps_give_the_same_bits(command_buffer):
         # new values in the same shapes: the replayed program reads them
         moved = step(q * 2, k, v)
         assert not np.array_equal(np.asarray(moved[1][0]), np.asarray(first[1][0]))
+
+
+# ---- GPU: FP8, the same bits as cuattn's own forward ----------------------------------------
+
+def _hopper():
+    device = _gpu()
+    from cuattn import tuning
+    from cuattn.jit import device_info
+    if device_info(0).arch != tuning.SM90_ARCH:
+        pytest.skip("the FP8 forward runs on sm_90 devices")
+    return device
+
+
+def _fp8_host(seed, shape_q, shape_kv, shape_descale):
+    """q, k, v NumPy float8_e4m3fn arrays and three float32 descales (None: none)."""
+    rng = np.random.default_rng(seed)
+    qkv = [(rng.standard_normal(s) * 2).astype(np.float32).astype(jnp.float8_e4m3fn)
+           for s in (shape_q, shape_kv, shape_kv)]
+    descales = [None if shape_descale is None else
+                rng.uniform(0.5, 1.5, shape_descale).astype(np.float32) for _ in range(3)]
+    return qkv, descales
+
+
+def _on_cupy(x):
+    import cupy as cp
+    if x is None:
+        return None
+    if x.dtype == np.dtype(jnp.float8_e4m3fn):
+        return cp.asarray(x.view(np.uint8)).view(x.dtype)
+    return cp.asarray(x)
+
+
+def _assert_same_bits(got, want, what):
+    import cupy as cp
+    got, want = np.asarray(got), cp.asnumpy(want)
+    assert got.dtype == want.dtype == np.dtype(jnp.bfloat16), what
+    np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16), err_msg=what)
+
+
+FP8_CASES = [
+    dict(name="plain", shape=(2, 128, 4, 128), kv=(2, 128, 4, 128)),
+    dict(name="causal", shape=(2, 128, 4, 128), kv=(2, 160, 4, 128), causal=True),
+    dict(name="causal GQA", shape=(1, 200, 8, 128), kv=(1, 200, 2, 128), causal=True),
+    dict(name="GQA window hd64", shape=(2, 96, 8, 64), kv=(2, 160, 2, 64), window=(32, 8)),
+    dict(name="GQA softcap hd256", shape=(1, 64, 4, 256), kv=(1, 64, 2, 256), causal=True,
+         softcap=20.0),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("descales", [True, False], ids=["descales", "no-descales"])
+@pytest.mark.parametrize("case", FP8_CASES, ids=lambda c: c["name"])
+def test_fp8_equals_flash_forward(case, descales, command_buffer):
+    """jax.jit(flash_attention) on float8_e4m3fn arrays: bfloat16, the same bits as
+    cuattn.flash_forward on the same inputs, on the first call and on a later one (XLA
+    replays its command buffer)."""
+    device = _hopper()
+    batch, nkv = case["kv"][0], case["kv"][2]
+    qkv, ds = _fp8_host(30, case["shape"], case["kv"], (batch, nkv) if descales else None)
+    options = dict(causal=case.get("causal", False), window_size=case.get("window", (-1, -1)),
+                   softcap=case.get("softcap", 0.0))
+    want = cuattn.flash_forward(*map(_on_cupy, qkv), **options,
+                                **dict(zip(cjax._DESCALES, map(_on_cupy, ds))))
+    with jax.default_device(device):
+        args = [None if x is None else jnp.asarray(x) for x in qkv + ds]
+
+        @jax.jit
+        def ours(q, k, v, qd, kd, vd):
+            return cjax.flash_attention(q, k, v, **options, q_descale=qd, k_descale=kd,
+                                        v_descale=vd)
+
+        first = ours(*args)
+        for _ in range(3):
+            again = ours(*args)
+    _assert_same_bits(first, want, f"{case['name']} first call")
+    _assert_same_bits(again, want, f"{case['name']} replayed")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("descales", [True, False], ids=["descales", "no-descales"])
+def test_fp8_varlen_equals_flash_varlen_forward(descales, command_buffer):
+    """flash_attention_varlen in FP8 (three sequences, one empty, GQA, causal): the bits of
+    cuattn.flash_varlen_forward."""
+    device = _hopper()
+    lengths_q, lengths_k = [37, 0, 64], [50, 16, 64]
+    cu_q = np.cumsum([0] + lengths_q).astype(np.int32)
+    cu_k = np.cumsum([0] + lengths_k).astype(np.int32)
+    qkv, ds = _fp8_host(31, (sum(lengths_q), 8, 128), (sum(lengths_k), 2, 128),
+                        (3, 2) if descales else None)
+    want = cuattn.flash_varlen_forward(*map(_on_cupy, qkv), _on_cupy(cu_q), _on_cupy(cu_k),
+                                       64, 64, causal=True,
+                                       **dict(zip(cjax._DESCALES, map(_on_cupy, ds))))
+    with jax.default_device(device):
+        args = [None if x is None else jnp.asarray(x) for x in qkv + ds]
+        cu = jnp.asarray(cu_q), jnp.asarray(cu_k)
+        got = jax.jit(lambda q, k, v, qd, kd, vd: cjax.flash_attention_varlen(
+            q, k, v, *cu, 64, 64, causal=True, q_descale=qd, k_descale=kd,
+            v_descale=vd))(*args)
+    _assert_same_bits(got, want, "varlen")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mapped", ["all", "descales unmapped"])
+def test_fp8_vmap_equals_flash_forward(mapped):
+    """jax.vmap of an FP8 call: mapped descales fold into the batch with q, k, v (one call,
+    the bits of flash_forward over the folded batch); unmapped ones run per element."""
+    device = _hopper()
+    fold = mapped == "all"
+    qkv, ds = _fp8_host(32, (3, 2, 128, 4, 128), (3, 2, 128, 2, 128),
+                        (3, 2, 2) if fold else (2, 2))
+    if fold:
+        flat = [x.reshape((6,) + x.shape[2:]) for x in qkv + ds]
+        want = cuattn.flash_forward(*map(_on_cupy, flat[:3]), causal=True,
+                                    **dict(zip(cjax._DESCALES, map(_on_cupy, flat[3:]))))
+        wants = [want[2 * i:2 * i + 2] for i in range(3)]
+    else:
+        wants = [cuattn.flash_forward(*(_on_cupy(x[i]) for x in qkv), causal=True,
+                                      **dict(zip(cjax._DESCALES, map(_on_cupy, ds))))
+                 for i in range(3)]
+    with jax.default_device(device):
+        args = [jnp.asarray(x) for x in qkv + ds]
+        d_axis = 0 if fold else None
+        got = jax.jit(jax.vmap(lambda q, k, v, qd, kd, vd: cjax.flash_attention(
+            q, k, v, causal=True, q_descale=qd, k_descale=kd, v_descale=vd),
+            in_axes=(0, 0, 0) + (d_axis,) * 3))(*args)
+    for i in range(3):
+        _assert_same_bits(got[i], wants[i], f"element {i}")

@@ -27,6 +27,7 @@ import cuattn
 
 F16 = np.dtype(np.float16)
 BF16 = np.dtype(ml_dtypes.bfloat16)
+FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
 DEVICE = "device"          # the check needs the GPU: not run on shape-only arrays
 TWO_GPUS = "two GPUs"      # real arrays need a second GPU (shape-only ones claim device 1)
 _FAKE_ADDRESS = 0x7F00_0000_0000   # 256-byte aligned; shape-only arrays point here
@@ -172,6 +173,18 @@ def nhd_sized(head_size, block_size=16, cache=BF16, act=("q",), tokens=2):
         acts = {n: mk.zeros((tokens, 4 if n == "q" else 2, head_size), BF16) for n in act}
         return {**kw, "kv_layout": "nhd", "k_cache": mk.zeros(shape, cache),
                 "v_cache": mk.zeros(shape, cache), **acts}
+    return row
+
+
+def _fp8_nhd(block_size, fp8_q=False, **more):
+    """prefill_kwargs over NHD fp8 caches of ``block_size`` tokens a block (q e4m3 with
+    fp8_q), and ``more``."""
+    def row(kw, mk):
+        shape = (4, block_size, 2, 128)
+        q = {"q": mk.zeros((6, 4, 128), FP8)} if fp8_q else {}
+        return {**kw, **q, "kv_layout": "nhd", "k_cache": mk.zeros(shape, FP8),
+                "v_cache": mk.zeros(shape, FP8),
+                **{n: (b(mk) if callable(b) else b) for n, b in more.items()}}
     return row
 
 
@@ -756,6 +769,30 @@ ROWS += table(
     ("fp8-k_cache-head_size-40", lambda kw, mk: {
         **kw, "q": mk.zeros((6, 4, 40), BF16), "k_cache": mk.zeros((4, 2, 2, 16, 16), np.uint8),
         "v_cache": mk.zeros((4, 2, 32, 16), np.uint8)}, ValueError, "k_cache"),
+    # FP8 math: q_scale (a scale like k_scale, checked for 16-bit caches too) quantizes a
+    # 16-bit q, q_descale ((num_seqs, nheads_kv) float32) goes with an e4m3 q, over NHD fp8
+    # caches of blocks of >= 8 tokens
+    ("q_scale-0", put(q_scale=0.0), ValueError, "q_scale"),
+    ("q_scale-list", put(q_scale=[1.0]), TypeError, "q_scale"),
+    ("q_scale-device-length", new("q_scale", shape=(3,), dtype=np.float32), ValueError,
+     "q_scale"),
+    ("q_scale-device-float64", new("q_scale", shape=(), dtype=np.float64), TypeError,
+     "q_scale"),
+    ("q_descale-16-bit-q", new("q_descale", shape=(2, 2), dtype=np.float32), ValueError,
+     "q_descale"),
+    ("q_scale-vllm-fp8", lambda kw, mk: {**kw, "k_cache": mk.zeros(_FP8_KSHAPE, np.uint8),
+                                         "v_cache": mk.zeros(_FP8_VSHAPE, np.uint8),
+                                         "q_scale": 1.0}, ValueError, "q_scale"),
+    ("q_scale-nhd-fp8-block-4", _fp8_nhd(4, q_scale=1.0), ValueError, "q_scale"),
+    ("q-e4m3-with-q_scale", _fp8_nhd(16, fp8_q=True, q_scale=1.0), ValueError, "q_scale"),
+    ("q-e4m3-bf16-caches", make(q=lambda mk: mk.zeros((6, 4, 128), FP8)), TypeError,
+     "k_cache"),
+    ("q_descale-shape", _fp8_nhd(16, fp8_q=True, q_descale=lambda mk: mk.zeros(
+        (2, 4), np.float32)), ValueError, "q_descale"),
+    ("q_descale-float16", _fp8_nhd(16, fp8_q=True, q_descale=lambda mk: mk.zeros(
+        (2, 2), F16)), TypeError, "q_descale"),
+    ("out-e4m3-q-float32", _fp8_nhd(16, fp8_q=True, out=lambda mk: mk.zeros(
+        (6, 4, 128), np.float32)), ValueError, "out"),
     # the tables: int32, one row / entry per sequence (cu_seqlens_q has num_seqs + 1)
     ("block_tables-int64", new("block_tables", dtype=np.int64), TypeError, "block_tables"),
     ("block_tables-rows", new("block_tables", shape=(3, 2)), ValueError, "block_tables"),

@@ -17,7 +17,7 @@ from cuattn import tuning
 from cuattn.tuning import FlashSm90Tiles
 
 CONFIGS = [(128, 4096), (128, 16384), (256, 16384)]
-TILES = {128: [FlashSm90Tiles(128, 128, 3), FlashSm90Tiles(128, 64, 2)],
+TILES = {128: [FlashSm90Tiles(128, 192, 2), FlashSm90Tiles(128, 128, 3)],
          256: [FlashSm90Tiles(128, 32, 2)]}
 
 

@@ -17,6 +17,8 @@ inside the arrays (seq_lens, block_tables, cu_seqlens_q) are never read on the h
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from .. import _arrays as A
@@ -24,7 +26,8 @@ from .. import _tma, tuning
 from .._dtypes import activation_dtype
 from .._hooks import alibi_stride, check_hooks, hook_fields
 from .._launch import NULL, Plan, execute, on_device, plan_cache, plan_for, returns
-from ..flash import _MAX_GRID_YZ, Call, _check_cu_seqlens, _check_options
+from .._dtypes import ACTIVATION_DTYPES, FP8_E4M3, UINT8_E4M3
+from ..flash import _MAX_GRID_YZ, Call, QuantizeQ, _check_cu_seqlens, _check_fp8, _check_options
 from ..flash import _plan as flash_plan
 from ..jit import device_info
 from ..variants import FEAT_ALIBI, FEAT_SINKS, FEAT_SOFTCAP, KV_PAGED_NHD, KV_PAGED_VLLM
@@ -36,15 +39,16 @@ from .layout import (PREFILL_HEAD_SIZES, check_caches, check_flash_context, chec
 
 _plans = plan_cache()
 _NAMES = ("q", "k_cache", "v_cache", "block_tables", "seq_lens", "cu_seqlens_q", "alibi_slopes",
-          "sinks", "k_scale", "v_scale", "out")
+          "sinks", "k_scale", "v_scale", "q_scale", "q_descale", "out")
 _Q_DOC = "(total_q, nheads, head_size)"
 _MAX_SEQLEN = 2**29
 
 
 def paged_prefill(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, *,
                   causal=True, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
-                  sinks=None, alibi_slopes=None, k_scale=1.0, v_scale=1.0, kv_layout="vllm",
-                  return_lse=False, num_splits=0, out=None, stream=None):
+                  sinks=None, alibi_slopes=None, k_scale=1.0, v_scale=1.0, q_scale=None,
+                  q_descale=None, kv_layout="vllm", return_lse=False, num_splits=0, out=None,
+                  stream=None):
     """Attention of the new tokens of each sequence against its whole paged context.
 
     q: (total_q, nheads, head_size) float16 / bfloat16, the new tokens of every sequence
@@ -55,6 +59,14 @@ def paged_prefill(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, max
         * k_scale / v_scale), the new tokens already written (reshape_and_cache).
     k_scale / v_scale: floats, or float32 device arrays of shape (), (1,) or (nheads_kv,)
         read at every launch (cuattn.paged.scales); ignored for 16-bit caches, as in vLLM.
+    FP8 math (sm_90, fp8 NHD caches of blocks of >= 8 tokens: the Hopper kernel's FP8 form,
+        e4m3 Q K^T and P V): either q_scale, a float or float32 device array like k_scale
+        (vLLM's static query scale), with which the call quantizes the 16-bit q to e4m3
+        (q / q_scale, saturating) before the kernel; or q itself e4m3
+        (ml_dtypes.float8_e4m3fn or uint8) with q_descale, float32 (num_seqs, nheads_kv) or
+        None (FlashAttention-3's), the output then bfloat16 (or out='s 16-bit dtype).
+        Without either, fp8 caches are widened to 16 bits in the kernel (16-bit math).
+        q_scale is checked and ignored for 16-bit caches, as k_scale is.
     block_tables: int32 (num_seqs, max_blocks_per_seq); seq_lens: int32 (num_seqs,), each
         sequence's whole length, new tokens included (clamped to the table's capacity).
         Query i of sequence s sits at position seq_lens[s] - q_len[s] + i: causal is aligned
@@ -69,22 +81,24 @@ def paged_prefill(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, max
         layout merge_attn_states takes.
     """
     (k_array, k_scale), (v_array, v_scale) = scales.split(k_scale), scales.split(v_scale)
+    q_array, q_scale = scales.split(q_scale) if q_scale is not None else (None, None)
     options = (max_seqlen_q, causal, softmax_scale, window_size, softcap, k_scale, v_scale,
-               kv_layout, return_lse, num_splits)
+               q_scale, kv_layout, return_lse, num_splits)
     plan, arrays, stream, ptrs = plan_for(
         _plans, (q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, alibi_slopes, sinks,
-                 k_array, v_array, out), _NAMES, options, lambda arrays: _plan(arrays, *options),
-        stream, 6)
+                 k_array, v_array, q_array, q_descale, out), _NAMES, options,
+        lambda arrays: _plan(arrays, *options), stream, 6)
     return execute(plan, arrays, stream, ptrs)
 
 
 def _plan(arrays, max_seqlen_q, causal, softmax_scale, window_size, softcap, k_scale, v_scale,
-          kv_layout, return_lse, num_splits) -> Plan:
+          q_scale, kv_layout, return_lse, num_splits) -> Plan:
     """Every check of paged_prefill (raising before any launch) -> its Plan."""
     q, k_cache, v_cache, block_tables, seq_lens, cu_q, alibi_slopes, sinks, k_array, v_array, \
-        out = arrays
+        q_array, q_descale, out = arrays
     A.check_ndim(q, 3, "q", _Q_DOC)
-    dtype = activation_dtype(q.dtype, "q")
+    fp8_q = q.dtype in (FP8_E4M3.numpy, UINT8_E4M3.numpy)
+    dtype = FP8_E4M3 if fp8_q else activation_dtype(q.dtype, "q")
     total_q, nheads, head_size = q.shape
     check_head_size(head_size, "q", PREFILL_HEAD_SIZES)
     if nheads == 0:
@@ -112,8 +126,11 @@ def _plan(arrays, max_seqlen_q, causal, softmax_scale, window_size, softcap, k_s
     A.check_same_device({"k_cache": k_cache, "v_cache": v_cache, "block_tables": block_tables,
                          "seq_lens": seq_lens, "cu_seqlens_q": cu_q}, device_id)
     features, softcap = check_hooks(softcap, alibi_slopes, sinks, nheads, device_id, num_seqs)
+    fp8_math = _check_fp8_math(q, q_array, q_scale, q_descale, out, info, kv_layout, dtype,
+                               num_seqs, (k_cache, v_cache))
+    out_type = fp8_math.out_type if fp8_math is not None else dtype
     if out is not None:
-        A.check_output(out, q.shape, q.dtype, "out", _Q_DOC, device_id, align=16)
+        A.check_output(out, q.shape, out_type.numpy, "out", _Q_DOC, device_id, align=16)
     if tuning.paged_prefill_form(info.cache, head_size, max_seqlen_q, total_q) == "decode":
         return _decode_plan(q, info, block_tables, num_seqs, max_seqlen_q, dtype, features,
                             softcap, softmax_scale, left, right, num_splits,
@@ -127,13 +144,70 @@ def _plan(arrays, max_seqlen_q, causal, softmax_scale, window_size, softcap, k_s
                            left=left, right=right, num_splits=num_splits, k_scale=k_scale,
                            v_scale=v_scale, out=out, return_lse=return_lse,
                            alibi_stride=alibi_stride(alibi_slopes),
-                           num_args=len(arrays), max_seqlen_q=max_seqlen_q, causal=causal)
+                           num_args=len(arrays), max_seqlen_q=max_seqlen_q, causal=causal,
+                           fp8_math=fp8_math)
+
+
+class Fp8Math(NamedTuple):
+    """paged_prefill on the Hopper kernel's FP8 form: where its e4m3 queries come from."""
+    out_type: object            # cuattn._dtypes entry of out
+    quantize: QuantizeQ | None  # 16-bit q quantized with q_scale (None: q is e4m3)
+    q_descale: bool             # an e4m3 q's q_descale array given (argument _Q_DESCALE)
+    fields: dict                # q_descale's strides (FlashFwdParams)
+
+
+_Q_SCALE, _Q_DESCALE = _NAMES.index("q_scale"), _NAMES.index("q_descale")
+
+
+def _check_fp8_math(q, q_array, q_scale, q_descale, out, info, kv_layout, dtype, num_seqs,
+                    caches) -> Fp8Math | None:
+    """The FP8 form's queries (None: the call runs 16-bit math), every bad option refused by
+    name: q_scale for a 16-bit q, q_descale for an e4m3 one, on sm_90 over NHD caches of fp8
+    and blocks the kernel's TMA boxes take."""
+    fp8_q = dtype is FP8_E4M3
+    quantize = q_array is not None or q_scale is not None
+    if fp8_q and quantize:
+        raise ValueError("q_scale: quantizes a 16-bit q; an e4m3 q takes q_descale")
+    if q_descale is not None and not fp8_q:
+        raise ValueError(f"q_descale: only for an e4m3 q (float8_e4m3fn), got {q.dtype}; a "
+                         "16-bit q takes q_scale")
+    scale = scales.check(q_array, q_scale, "q_scale", info.num_kv_heads, q.device.id) \
+        if quantize else None
+    if not fp8_q and not (quantize and info.cache == "e4m3"):
+        return None             # (q_scale over 16-bit caches: checked and ignored)
+    name = "q" if fp8_q else "q_scale"
+    if kv_layout != "nhd":
+        raise ValueError(f"{name}: FP8 math takes kv_layout 'nhd' caches (vLLM's V layout "
+                         "lands no tile the FP8 kernel reads); got 'vllm'")
+    if info.block_size < tuning.PREFILL_SM90_MIN_BLOCK:
+        raise ValueError(f"{name}: FP8 math loads each cache block by TMA, blocks of at least "
+                         f"{tuning.PREFILL_SM90_MIN_BLOCK} tokens; k_cache has {info.block_size}")
+    if fp8_q and out is not None and out.dtype not in ACTIVATION_DTYPES:
+        raise ValueError(f"out: an e4m3 q writes float16 or ml_dtypes.bfloat16, got {out.dtype}")
+    if not fp8_q:    # (an e4m3 q: _check_fp8's own, naming q)
+        arch = device_info(q.device.id).arch
+        if arch != tuning.SM90_ARCH:
+            raise ValueError(f"q_scale: FP8 math (e4m3 queries) runs on Hopper (sm_90) GPUs "
+                             f"only; this device is {arch}")
+    q8 = q if fp8_q else _tma.ArraySpec.contiguous(q.shape, 1)
+    out_type, fields = _check_fp8(FP8_E4M3, out.dtype if fp8_q and out is not None else None,
+                                  (q_descale, None, None), num_seqs, info.num_kv_heads,
+                                  q.device.id, (q8,) + tuple(caches))
+    if not fp8_q:
+        out_type = dtype
+    if not _tma.encodable("e4m3", (q if fp8_q else None,) + tuple(caches)):
+        raise ValueError("k_cache: FP8 math loads the caches by TMA, and the driver takes no "
+                         "tensor map of these arrays")
+    quant = None if fp8_q else QuantizeQ(dtype, scale.factor,
+                                         _Q_SCALE if scale.on_device else None, scale.stride)
+    return Fp8Math(out_type, quant, q_descale is not None, fields)
 
 
 def flash_form_plan(q, k_cache, v_cache, block_tables, info, kv_layout, *, dtype, features,
                     softcap, softmax_scale, left, right, num_splits, k_scale, v_scale, out,
                     return_lse, num_args, max_seqlen_q=1, causal=True, decode=False,
-                    capacity=None, new_keys=0, hopper_ok=True, alibi_stride=0) -> Plan:
+                    capacity=None, new_keys=0, hopper_ok=True, alibi_stride=0,
+                    fp8_math: Fp8Math | None = None) -> Plan:
     """The flash form of a checked call: flash's _plan over a paged Call. paged_prefill's
     (arguments q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, alibi_slopes, sinks,
     k_scale, v_scale, out): the packed rows of cu_seqlens_q, max_seqlen_q the longest. decode
@@ -144,7 +218,8 @@ def flash_form_plan(q, k_cache, v_cache, block_tables, info, kv_layout, *, dtype
     sequence has (None: its table's); new_keys: keys each sequence has past its seq_lens entry
     (FlashFwdParams.new_keys); hopper_ok: False keeps the call on the mma.sync kernel.
     k_scale / v_scale: scales.Scale (NONE for 16-bit caches); alibi_slopes (num_seqs, nheads)
-    are read with the row stride alibi_stride."""
+    are read with the row stride alibi_stride. fp8_math: paged_prefill's FP8 form (its
+    checks passed: _check_fp8_math), whose kernel reads the scales as descales."""
     total_q, nheads, _ = q.shape
     num_seqs = block_tables.shape[0]
     if capacity is None:
@@ -157,6 +232,8 @@ def flash_form_plan(q, k_cache, v_cache, block_tables, info, kv_layout, *, dtype
     # rounded to 16 bits first: lse errors up to ~1e-2, found by the fuzz's NHD fp8 cases.)
     if fp8:
         softmax_scale *= k_scale.factor
+    if fp8_math is not None and fp8_math.quantize is not None:
+        softmax_scale *= fp8_math.quantize.factor
     os_ = A.element_strides_or_contiguous(out, q.shape)
     qs = A.element_strides(q)
     lse_shape = (nheads, total_q)
@@ -170,9 +247,24 @@ def flash_form_plan(q, k_cache, v_cache, block_tables, info, kv_layout, *, dtype
                     lse_stride_batch=0, lse_stride_row=ls[1], seqlen_q=max(total_q, 1))
         args = dict(q=0, k=1, v=2, block_tables=3, seqused_k=4, cu_seqlens_q=5, alibi_slopes=6,
                     sinks=7)
-    for i, (name, scale) in enumerate((("k_scales", k_scale), ("v_scales", v_scale))):
+    # (the FP8 form reads the cache scales as its k / v descales, q_scale as q's)
+    descales = {}
+    for i, (name, scale) in enumerate((("k", k_scale), ("v", v_scale))):
+        field = f"{name}_descale" if fp8_math is not None else f"{name}_scales"
         if scale.on_device:       # the arguments after sinks
-            args[name] = args["sinks"] + 1 + i
+            args[field] = args["sinks"] + 1 + i
+        descales.update({f"{name}_descale_stride_batch": 0,
+                         f"{name}_descale_stride_head": scale.stride})
+    if fp8_math is not None:
+        quant = fp8_math.quantize
+        if quant is not None and quant.arg is not None:
+            args["q_descale"] = quant.arg
+            descales.update(q_descale_stride_batch=0, q_descale_stride_head=quant.stride)
+        elif fp8_math.q_descale:
+            args["q_descale"] = _Q_DESCALE
+            descales.update(fp8_math.fields)
+    else:
+        descales = {}
     # The caches' strides (layout.CacheInfo.strides) under FlashFwdParams' names: a token's
     # slot is its K / V "row", a 16-byte vector of K its "chunk".
     s = info.strides(k_cache, v_cache)
@@ -187,7 +279,7 @@ def flash_form_plan(q, k_cache, v_cache, block_tables, info, kv_layout, *, dtype
         lse_stride_head=ls[0], bt_stride_seq=block_tables.strides[0] // 4,
         block_shift=info.block_size.bit_length() - 1, max_blocks_per_seq=max_blocks,
         seqlen_k=capacity, new_keys=new_keys, v_scale=v_scale.factor,
-        **scales.fields(k_scale, v_scale), alibi_stride_batch=alibi_stride, **cache)
+        **scales.fields(k_scale, v_scale), alibi_stride_batch=alibi_stride, **cache, **descales)
     group = nheads // info.num_kv_heads
     device_id = q.device.id
     arch = device_info(device_id).arch
@@ -196,6 +288,11 @@ def flash_form_plan(q, k_cache, v_cache, block_tables, info, kv_layout, *, dtype
         and _tma.encodable(dtype.short, (q, k_cache, v_cache), kv_layout)
 
     def variant_for(split: bool, mask: int):
+        if fp8_math is not None:
+            return tuning.flash_sm90_variant("e4m3", head_size, mask=mask, split=split,
+                                             features=features, tma=True,
+                                             seqlen_q=max_seqlen_q, kv=kv,
+                                             out=fp8_math.out_type.short)
         if hopper:
             return tuning.flash_sm90_variant(dtype.short, head_size, mask=mask, split=split,
                                              features=features, tma=True,
@@ -203,6 +300,16 @@ def flash_form_plan(q, k_cache, v_cache, block_tables, info, kv_layout, *, dtype
         return tuning.paged_prefill_variant(dtype.short, head_size, mask=mask, split=split,
                                             arch=arch, kv=kv, features=features,
                                             rows=max_seqlen_q * group, fp8=fp8)
+    if fp8_math is not None:
+        q8 = q if fp8_math.quantize is None else _tma.ArraySpec.contiguous(q.shape, 1)
+        return flash_plan(Call(
+            device_id=device_id, dtype=FP8_E4M3, q=q, nheads_kv=info.num_kv_heads, out=out,
+            lse_shape=lse_shape if return_lse else None, num_args=num_args,
+            out_arg=num_args - 1, args=args, softmax_scale=softmax_scale, left=left,
+            right=right, num_splits=num_splits, features=features, softcap=softcap,
+            batch=num_seqs, max_sq=max_seqlen_q, max_sk=capacity, total_q=total_q,
+            fields=fields, variant_for=variant_for, qkv=(q8, k_cache, v_cache),
+            out_dtype=fp8_math.out_type, quantize_q=fp8_math.quantize))
     return flash_plan(Call(
         device_id=device_id, dtype=dtype, q=q, nheads_kv=info.num_kv_heads, out=out,
         lse_shape=lse_shape if return_lse else None, num_args=num_args, out_arg=num_args - 1,
