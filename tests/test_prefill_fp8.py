@@ -9,6 +9,8 @@ slot no sequence may read), outputs poisoned with NaN; scales as floats and as d
 (one, or per KV head), GQA, both head dims, sequences without new tokens, hooks, windows,
 split-KV, out= in float16; the 16-bit call over the same cache without q_scale (widened,
 16-bit math) beside it.
+CPU (CI): the paged FP8 forms and the query quantizer compile for sm_90a without spills
+(all forms under marker slow).
 Run with: python -m pytest -q -m gpu tests/test_prefill_fp8.py
 """
 from __future__ import annotations
@@ -19,12 +21,49 @@ import numpy as np
 import pytest
 
 import cuattn
+from cuattn import tuning
+from cuattn.variants import (FEAT_ALIBI, FEAT_SINKS, FEAT_SOFTCAP, KV_PAGED_NHD, KV_PAGED_VLLM,
+                             MASK_CAUSAL, MASK_NONE, MASK_WINDOW)
+from tests.compiled import compile_reports, unclean
 from tests.reference import (E4M3_MAX, attention_reference, fp8_attention_kernel_math,
                              quantize_e4m3)
 from tests.test_flash_fp8 import _need_hopper, _rel
 from tests.test_prefill import DTYPES, FP8, make_batch, on_device
 
 ACC_BITS = 9      # tests/test_flash_fp8.py's floor of the FP8 GEMM's accumulation
+HOOKS = FEAT_SOFTCAP | FEAT_ALIBI | FEAT_SINKS
+
+
+# ---- CPU: compilation -------------------------------------------------------------------------
+
+def _paged_fp8_forms(head_dims=(128, 256), hook_sets=(0, HOOKS)):
+    return [tuning.flash_sm90_variant("e4m3", hd, mask=mask, split=split, features=f, tma=True,
+                                      kv=KV_PAGED_NHD, out=out)
+            for hd in head_dims for mask in (MASK_NONE, MASK_CAUSAL, MASK_WINDOW)
+            for split in (False, True) for f in hook_sets for out in ("bf16", "f16")]
+
+
+@pytest.mark.slow
+def test_every_paged_fp8_form_compiles_for_sm90a_without_spills():
+    assert unclean(compile_reports(_paged_fp8_forms(), "sm_90")) == []
+
+
+def test_a_few_paged_fp8_forms_and_the_quantizer_compile_without_spills():
+    forms = [f for f in _paged_fp8_forms() if f.out == "bf16" and
+             (f.head_dim, f.mask, f.split, f.features) in
+             ((128, MASK_CAUSAL, False, 0), (256, MASK_WINDOW, True, HOOKS))]
+    assert len(forms) == 2
+    forms += [tuning.quantize_variant(dt) for dt in ("f16", "bf16")]
+    assert unclean(compile_reports(forms, "sm_90")) == []
+
+
+def test_vllm_layout_has_no_fp8_form():
+    with pytest.raises(ValueError, match="NHD"):
+        tuning.flash_sm90_variant("e4m3", 128, mask=MASK_CAUSAL, split=False, tma=True,
+                                  kv=KV_PAGED_VLLM, out="bf16")
+
+
+# ---- GPU ----------------------------------------------------------------------------------------
 
 
 def _scale_arg(value, nkv, per_head, on_device_):
