@@ -9,6 +9,8 @@ into a preallocated out=.
 Methods as the flash suite's (bench/suite_flash.py): kernel-only (CuPy graph of GRAPH_CALLS
 calls, median of GRAPH_REPS replays) and eager back-to-back, each after SETTLE_S of
 untimed load; "fp8/bf16" divides two times of one method.
+Then paged_rows (the issue's paged_prefill rows): FP8 math over an fp8 NHD cache beside the
+same call over a bf16 cache, kernel-only, in the same run.
 cuDNN's FP8 SDPA as a peer: tried through PyTorch (SDPA forced to CUDNN_ATTENTION on
 float8_e4m3fn tensors); where the installed PyTorch refuses, its column is empty and the
 reason goes to stderr.

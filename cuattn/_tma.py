@@ -111,21 +111,15 @@ def encodable(dtype_short: str, arrays, kv_layout: str | None = None) -> bool:
     k and v are vLLM's paged caches): fits(), and the driver takes its maps (tried once per
     call signature, by the plan). q None: a copy the plan makes (always describable)."""
     q, k, v = arrays
-    if q is None:
-        return all(fits(x) for x in (k, v)) and _driver_takes(
-            dtype_short, [(x, _Tensor.of(x, 64)) for x in (k, v)])
     if kv_layout == "vllm":
         if not (fits(q) and _fits_vllm(k, v)):
             return False
         tensors = zip(arrays, _vllm_tensors(q, k, v, 128, 64))
     else:
+        arrays = [x for x in arrays if x is not None]
         if not all(fits(x) for x in arrays):
             return False
         tensors = [(x, _Tensor.of(x, 64)) for x in arrays]
-    return _driver_takes(dtype_short, tensors)
-
-
-def _driver_takes(dtype_short: str, tensors) -> bool:
     try:
         for x, t in tensors:
             encode(dtype_short, x.data.ptr, t)

@@ -313,7 +313,7 @@ def flash_sm90_variant(dtype: str, head_dim: int, *, mask: int, split: bool,
     maps describe, cuattn._tma.encodable) or by cp.async, and the call's (longest) query
     length (None: long). kv: dense K / V, or a paged cache (KV_PAGED_NHD / KV_PAGED_VLLM:
     paged_prefill, by TMA) with the tiles of a dense call. dtype e4m3 (the FP8 form, dense
-    and by TMA): ``out`` names the output's dtype (f16 / bf16)."""
+    or NHD-paged, by TMA): ``out`` names the output's dtype (f16 / bf16)."""
     hd = sm90_head_dim(head_dim, dtype)
     if dtype == "e4m3":
         t = _overrides.get("flash_sm90_tiles") or FLASH_SM90_TILES_FP8[hd]

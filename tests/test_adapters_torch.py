@@ -357,6 +357,20 @@ def test_torch_compile_gives_the_eager_results():
         assert torch.equal(a, b), name
 
 
+def _captured(step):
+    """(graph, its output): ``step`` run twice on a side stream (warm-up), then captured."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    return graph, out
+
+
 @pytest.mark.gpu
 def test_cuda_graph_capture_and_replay():
     """A training step (forward and backward) captured in a torch.cuda.CUDAGraph after a
@@ -375,15 +389,7 @@ def test_cuda_graph_capture_and_replay():
         out.backward(dout)
         return out
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = step()
+    graph, static_out = _captured(step)
     fresh = _qkv("cuda", torch.bfloat16, (2, 256, 8, 128), (2, 256, 2, 128), seed=6)
     with torch.no_grad():
         for s, f in zip(static, fresh):
@@ -529,15 +535,7 @@ def test_fp8_cuda_graph_capture_and_replay():
         return ct.flash_attn_func(*static[:3], causal=True,
                                   **dict(zip(ct._DESCALES, static[3:])))
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = step()
+    graph, static_out = _captured(step)
     (q2, k2, v2), ds2 = _fp8_qkv("cuda", (2, 256, 8, 128), (2, 256, 2, 128), seed=44)
     for s, f in zip(static, (q2, k2, v2, *ds2)):
         s.copy_(f)

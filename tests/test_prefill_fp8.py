@@ -27,10 +27,9 @@ from cuattn.variants import (FEAT_ALIBI, FEAT_SINKS, FEAT_SOFTCAP, KV_PAGED_NHD,
 from tests.compiled import compile_reports, unclean
 from tests.reference import (E4M3_MAX, attention_reference, fp8_attention_kernel_math,
                              quantize_e4m3)
-from tests.test_flash_fp8 import _need_hopper, _rel
+from tests.test_flash_fp8 import ACC_BITS, _need_hopper, _rel
 from tests.test_prefill import DTYPES, FP8, make_batch, on_device
 
-ACC_BITS = 9      # tests/test_flash_fp8.py's floor of the FP8 GEMM's accumulation
 HOOKS = FEAT_SOFTCAP | FEAT_ALIBI | FEAT_SINKS
 
 

@@ -23,10 +23,9 @@ import numpy as np
 
 from .. import _arrays as A
 from .. import _tma, tuning
-from .._dtypes import activation_dtype
+from .._dtypes import ACTIVATION_DTYPES, FP8_E4M3, UINT8_E4M3, activation_dtype
 from .._hooks import alibi_stride, check_hooks, hook_fields
 from .._launch import NULL, Plan, execute, on_device, plan_cache, plan_for, returns
-from .._dtypes import ACTIVATION_DTYPES, FP8_E4M3, UINT8_E4M3
 from ..flash import _MAX_GRID_YZ, Call, QuantizeQ, _check_cu_seqlens, _check_fp8, _check_options
 from ..flash import _plan as flash_plan
 from ..jit import device_info
@@ -151,8 +150,9 @@ def _plan(arrays, max_seqlen_q, causal, softmax_scale, window_size, softcap, k_s
 class Fp8Math(NamedTuple):
     """paged_prefill on the Hopper kernel's FP8 form: where its e4m3 queries come from."""
     out_type: object            # cuattn._dtypes entry of out
-    quantize: QuantizeQ | None  # 16-bit q quantized with q_scale (None: q is e4m3)
-    q_descale: bool             # an e4m3 q's q_descale array given (argument _Q_DESCALE)
+    quantize: QuantizeQ | None  # 16-bit q quantized with q_scale (None: q is e4m3, its
+    #                             q_descale argument _Q_DESCALE, a null pointer when absent)
+    q8: object                  # what the kernel's Q map describes: q, or the e4m3 copy
     fields: dict                # q_descale's strides (FlashFwdParams)
 
 
@@ -200,7 +200,7 @@ def _check_fp8_math(q, q_array, q_scale, q_descale, out, info, kv_layout, dtype,
                          "tensor map of these arrays")
     quant = None if fp8_q else QuantizeQ(dtype, scale.factor,
                                          _Q_SCALE if scale.on_device else None, scale.stride)
-    return Fp8Math(out_type, quant, q_descale is not None, fields)
+    return Fp8Math(out_type, quant, q8, fields)
 
 
 def flash_form_plan(q, k_cache, v_cache, block_tables, info, kv_layout, *, dtype, features,
@@ -250,21 +250,20 @@ def flash_form_plan(q, k_cache, v_cache, block_tables, info, kv_layout, *, dtype
     # (the FP8 form reads the cache scales as its k / v descales, q_scale as q's)
     descales = {}
     for i, (name, scale) in enumerate((("k", k_scale), ("v", v_scale))):
-        field = f"{name}_descale" if fp8_math is not None else f"{name}_scales"
         if scale.on_device:       # the arguments after sinks
+            field = f"{name}_descale" if fp8_math is not None else f"{name}_scales"
             args[field] = args["sinks"] + 1 + i
-        descales.update({f"{name}_descale_stride_batch": 0,
-                         f"{name}_descale_stride_head": scale.stride})
+        if fp8_math is not None:
+            descales.update({f"{name}_descale_stride_batch": 0,
+                             f"{name}_descale_stride_head": scale.stride})
     if fp8_math is not None:
         quant = fp8_math.quantize
-        if quant is not None and quant.arg is not None:
-            args["q_descale"] = quant.arg
-            descales.update(q_descale_stride_batch=0, q_descale_stride_head=quant.stride)
-        elif fp8_math.q_descale:
+        if quant is None:
             args["q_descale"] = _Q_DESCALE
             descales.update(fp8_math.fields)
-    else:
-        descales = {}
+        elif quant.arg is not None:
+            args["q_descale"] = quant.arg
+            descales.update(q_descale_stride_batch=0, q_descale_stride_head=quant.stride)
     # The caches' strides (layout.CacheInfo.strides) under FlashFwdParams' names: a token's
     # slot is its K / V "row", a 16-byte vector of K its "chunk".
     s = info.strides(k_cache, v_cache)
@@ -301,23 +300,18 @@ def flash_form_plan(q, k_cache, v_cache, block_tables, info, kv_layout, *, dtype
                                             arch=arch, kv=kv, features=features,
                                             rows=max_seqlen_q * group, fp8=fp8)
     if fp8_math is not None:
-        q8 = q if fp8_math.quantize is None else _tma.ArraySpec.contiguous(q.shape, 1)
-        return flash_plan(Call(
-            device_id=device_id, dtype=FP8_E4M3, q=q, nheads_kv=info.num_kv_heads, out=out,
-            lse_shape=lse_shape if return_lse else None, num_args=num_args,
-            out_arg=num_args - 1, args=args, softmax_scale=softmax_scale, left=left,
-            right=right, num_splits=num_splits, features=features, softcap=softcap,
-            batch=num_seqs, max_sq=max_seqlen_q, max_sk=capacity, total_q=total_q,
-            fields=fields, variant_for=variant_for, qkv=(q8, k_cache, v_cache),
-            out_dtype=fp8_math.out_type, quantize_q=fp8_math.quantize))
+        kernel = dict(dtype=FP8_E4M3, pack=1, qkv=(fp8_math.q8, k_cache, v_cache),
+                      out_dtype=fp8_math.out_type, quantize_q=fp8_math.quantize)
+    else:
+        kernel = dict(dtype=dtype, pack=1 if hopper else group,
+                      qkv=(q, k_cache, v_cache) if hopper else None)
     return flash_plan(Call(
-        device_id=device_id, dtype=dtype, q=q, nheads_kv=info.num_kv_heads, out=out,
+        device_id=device_id, q=q, nheads_kv=info.num_kv_heads, out=out,
         lse_shape=lse_shape if return_lse else None, num_args=num_args, out_arg=num_args - 1,
         args=args, softmax_scale=softmax_scale, left=left, right=right,
         num_splits=num_splits, features=features, softcap=softcap, batch=num_seqs,
         max_sq=max_seqlen_q, max_sk=capacity, total_q=total_q,
-        fields=fields, variant_for=variant_for, pack=1 if hopper else group,
-        qkv=(q, k_cache, v_cache) if hopper else None))
+        fields=fields, variant_for=variant_for, **kernel))
 
 
 def _decode_plan(q, info, block_tables, num_seqs, max_seqlen_q, dtype, features, softcap,
