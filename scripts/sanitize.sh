@@ -39,7 +39,8 @@ command -v "$cs" > /dev/null || { echo "sanitize.sh: $cs not found (set COMPUTE_
 # key, varlen with empty sequences, split-KV (+ combine) for head dims 64/96/128/256, every
 # flash form (plain, causal, window) on both flash kernels (mma.sync and, on sm_90, wgmma:
 # TMA and cp.async loads, the fetched varlen schedule, narrow key tiles, windows on the
-# paired row tiles); paged v1/v2 with one and many partitions (128..1024), partial last KV
+# paired row tiles); the FP8 forward (dense: hooks, windows, GQA, split, varlen with empty
+# sequences; paged_prefill on FP8 math: both query modes, per-KV-head scales, split); paged v1/v2 with one and many partitions (128..1024), partial last KV
 # blocks at block sizes 8/16/32, empty sequences, GQA 1..16, fp8, ALiBi, both forms of the
 # paged kernel (tensor-core, CUDA-core) on odd groups; reshape_and_cache; merge (pair,
 # stacked, +/-inf); CUDA-graph replays of all of them; paged_prefill (both layouts, block
@@ -87,6 +88,16 @@ reduced="tests/test_merge.py
  tests/test_flash.py::test_varlen_more_row_tiles_than_sms[wgmma-1-c-256]
  tests/test_flash.py::test_varlen_more_row_tiles_than_sms[wgmma-2-c-128]
  tests/test_flash.py::test_varlen_windows_with_narrow_key_tiles[wgmma-w300_0-256]
+ tests/test_flash_fp8.py::test_fp8_features[all-128]
+ tests/test_flash_fp8.py::test_fp8_features[all-256]
+ tests/test_flash_fp8.py::test_fp8_features[window-64]
+ tests/test_flash_fp8.py::test_fp8_shapes_and_gqa[True-shape2]
+ tests/test_flash_fp8.py::test_fp8_head_dims_and_split[192]
+ tests/test_flash_fp8.py::test_fp8_varlen_with_empty_sequences[True]
+ tests/test_prefill_fp8.py::test_fp8_math_prefill[64-8-e4m3-q]
+ tests/test_prefill_fp8.py::test_fp8_math_prefill[256-16-q_scale]
+ tests/test_prefill_fp8.py::test_fp8_math_device_scales[per-kv-head]
+ tests/test_prefill_fp8.py::test_fp8_math_features[num_splits=3]
  tests/test_paged.py::test_gqa_ratios_v1_v2_auto_agree tests/test_paged.py::test_block_sizes
  tests/test_paged.py::test_fp8_cache tests/test_paged.py::test_partition_sizes_and_gqa_16
  tests/test_paged.py::test_alibi tests/test_paged.py::test_reshape_and_cache_round_trip
