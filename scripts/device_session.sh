@@ -11,6 +11,18 @@
 #   scripts/device_session.sh OUTDIR bwd        the backward's and its adapters' GPU tests,
 #                                               the backward fuzz, then the bwd suite (its
 #                                               FA3 column where PYTHONPATH has the wheel)
+#   scripts/device_session.sh OUTDIR fp8        the FP8 paths' checks all at once (their tests
+#                                               and the flash / prefill suites in shards, the
+#                                               FP8 fuzz, the adapters' FP8 tests, memcheck and
+#                                               racecheck over sanitize.sh's FP8 ids, the
+#                                               accuracy table), then alone on the GPU
+#                                               bench/lab/fp8_ab.py (fp8 / bf16) and
+#                                               suite_fp8's paged rows; FP8_PATCHED=DIR (a copy
+#                                               of the tree with a lab patch applied) adds its
+#                                               FP8 tests beside and its fp8_ab after; made
+#                                               here, carried as out/fp8_patched:
+#     mkdir -p out/fp8_patched && git archive HEAD | tar -x -C out/fp8_patched &&
+#     patch -d out/fp8_patched -p1 < bench/lab/fp8_split_producer_pingpong.patch
 # The test stages run as SHARDS (default 12) pytest processes (scripts/pytest_shards.py), so
 # that kernels compile in parallel; PYTEST_ARGS / FUZZ_ARGS narrow them (-k ..., node ids).
 # Several stages in one call: scripts/device_session.sh OUTDIR tests fuzz. Each stage runs
@@ -46,6 +58,48 @@ shards() {   # shards NAME TIMEOUT PYTEST_ARGS...: scripts/pytest_shards.py, SHA
   tar -czf "$out/${name}_logs.tgz" -C "$logs" .
 }
 
+fp8_checks() {   # fp8_checks LIMIT: the checks of the fp8 stage as processes at once, each
+                 # under LIMIT seconds, logs in OUTDIR; then a line of each log's outcome
+  local -   # (set -f below: the test ids hold [...])
+  set -f
+  local limit=$1 fp8="tests/test_flash_fp8.py tests/test_prefill_fp8.py"
+  local fuzz=tests/test_flash_fp8.py::test_fp8_fuzz tool
+  local ids; ids=$(grep -oE "tests/test_(flash|prefill)_fp8.py::[^ ]+" scripts/sanitize.sh)
+  local shards=/tmp/cuattn-shards/fp8 patched_shards=/tmp/cuattn-shards/fp8_patched
+  rm -rf "$shards" "$patched_shards"
+  timeout -k 10 "$limit" python3 scripts/pytest_shards.py -n "${SHARDS:-9}" --logdir "$shards" \
+      --timeout "$((limit - 10))" -- -m gpu -rfE --deselect "$fuzz" $fp8 tests/test_flash.py \
+      tests/test_prefill.py > "$out/fp8_tests.txt" 2>&1 &
+  timeout -k 10 "$limit" python3 -m pytest -q -p no:cacheprovider -m gpu -rfE "$fuzz" \
+      > "$out/fp8_fuzz.txt" 2>&1 &
+  XLA_PYTHON_CLIENT_PREALLOCATE=false \
+  timeout -k 10 "$limit" python3 -m pytest -q -p no:cacheprovider -m gpu -rfE -k fp8 \
+      tests/test_adapters_torch.py tests/test_adapters_jax.py > "$out/fp8_adapters.txt" 2>&1 &
+  timeout -k 10 "$limit" python3 bench/lab/fp8_accuracy.py > "$out/fp8_accuracy.txt" 2>&1 &
+  (for tool in memcheck racecheck; do   # racecheck: cuattn's kernels only (sanitize.sh)
+     timeout -k 5 "$((limit / 2 - 10))" "${COMPUTE_SANITIZER:-compute-sanitizer}" \
+         --tool "$tool" --error-exitcode 9 \
+         --print-limit 50 $([ "$tool" = racecheck ] && echo --kernel-name kns=cuattn_) \
+         python3 -m pytest -q -p no:cacheprovider -m gpu $ids > "$out/fp8_$tool.txt" 2>&1
+     echo "exit $?" >> "$out/fp8_$tool.txt"
+   done) &
+  if [ -n "${FP8_PATCHED:-}" ]; then
+    (cd "$FP8_PATCHED" && CUATTN_CACHE_DIR=$CUATTN_CACHE_DIR-patched PYTHONPATH=$PWD \
+       timeout -k 10 "$limit" python3 scripts/pytest_shards.py -n 3 --logdir "$patched_shards" \
+       --timeout "$((limit - 10))" -- -m gpu -rfE $fp8 > "$out/fp8_patched_tests.txt" 2>&1) &
+  fi
+  wait
+  for log in "$out"/fp8_{tests,fuzz,adapters,memcheck,racecheck,patched_tests}.txt; do
+    [ -f "$log" ] || continue
+    echo "-- $(basename "$log"): $(grep -E "FAILED|ERROR|passed|failed|skipped|killed|total|exit " \
+        "$log" | tail -n 4 | paste -sd ';' -)"
+  done
+  tail -n 12 "$out/fp8_accuracy.txt"
+  for dir in "$shards" "$patched_shards"; do
+    [ -d "$dir" ] && tar -czf "$out/$(basename "$dir")_logs.tgz" -C "$dir" .
+  done
+}
+
 for stage in "$@"; do
   case $stage in
     tests)
@@ -73,6 +127,15 @@ for stage in "$@"; do
           "tests/test_fuzz.py::test_fuzz[flash_varlen_backward]"
       run bwd_suite "${BWD_SUITE_TIMEOUT:-240}" python3 bench/run.py --suite bwd \
           --json "$out/bwd.json" ;;
+    fp8)
+      fp8_checks "${FP8_TIMEOUT:-270}"
+      run fp8_ab 120 python3 bench/lab/fp8_ab.py --tag tree --bf16
+      if [ -n "${FP8_PATCHED:-}" ]; then
+        (cd "$FP8_PATCHED" && export CUATTN_CACHE_DIR=$CUATTN_CACHE_DIR-patched PYTHONPATH=$PWD &&
+           run fp8_ab_patched 80 python3 bench/lab/fp8_ab.py --tag patched)
+      fi
+      run fp8_paged 90 python3 -c "from bench.suite_fp8 import paged_rows
+for r in paged_rows(): print({k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()})" ;;
     sanitize)
       run sanitize "${SANITIZE_TIMEOUT_ALL:-540}" bash scripts/sanitize.sh "$out" ;;
     *)
