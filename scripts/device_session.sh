@@ -58,12 +58,16 @@ shards() {   # shards NAME TIMEOUT PYTEST_ARGS...: scripts/pytest_shards.py, SHA
   tar -czf "$out/${name}_logs.tgz" -C "$logs" .
 }
 
+in_patched() {   # in_patched CMD...: CMD in FP8_PATCHED's tree, with a kernel cache of its own
+  (cd "$FP8_PATCHED" && CUATTN_CACHE_DIR=$CUATTN_CACHE_DIR-patched PYTHONPATH=$PWD "$@")
+}
+
 fp8_checks() {   # fp8_checks LIMIT: the checks of the fp8 stage as processes at once, each
                  # under LIMIT seconds, logs in OUTDIR; then a line of each log's outcome
   local -   # (set -f below: the test ids hold [...])
   set -f
   local limit=$1 fp8="tests/test_flash_fp8.py tests/test_prefill_fp8.py"
-  local fuzz=tests/test_flash_fp8.py::test_fp8_fuzz tool
+  local fuzz=tests/test_flash_fp8.py::test_fp8_fuzz
   local ids; ids=$(grep -oE "tests/test_(flash|prefill)_fp8.py::[^ ]+" scripts/sanitize.sh)
   local shards=/tmp/cuattn-shards/fp8 patched_shards=/tmp/cuattn-shards/fp8_patched
   rm -rf "$shards" "$patched_shards"
@@ -84,9 +88,9 @@ fp8_checks() {   # fp8_checks LIMIT: the checks of the fp8 stage as processes at
      echo "exit $?" >> "$out/fp8_$tool.txt"
    done) &
   if [ -n "${FP8_PATCHED:-}" ]; then
-    (cd "$FP8_PATCHED" && CUATTN_CACHE_DIR=$CUATTN_CACHE_DIR-patched PYTHONPATH=$PWD \
-       timeout -k 10 "$limit" python3 scripts/pytest_shards.py -n 3 --logdir "$patched_shards" \
-       --timeout "$((limit - 10))" -- -m gpu -rfE $fp8 > "$out/fp8_patched_tests.txt" 2>&1) &
+    in_patched timeout -k 10 "$limit" python3 scripts/pytest_shards.py -n 3 \
+        --logdir "$patched_shards" --timeout "$((limit - 10))" -- -m gpu -rfE $fp8 \
+        > "$out/fp8_patched_tests.txt" 2>&1 &
   fi
   wait
   for log in "$out"/fp8_{tests,fuzz,adapters,memcheck,racecheck,patched_tests}.txt; do
@@ -131,8 +135,7 @@ for stage in "$@"; do
       fp8_checks "${FP8_TIMEOUT:-270}"
       run fp8_ab 120 python3 bench/lab/fp8_ab.py --tag tree --bf16
       if [ -n "${FP8_PATCHED:-}" ]; then
-        (cd "$FP8_PATCHED" && export CUATTN_CACHE_DIR=$CUATTN_CACHE_DIR-patched PYTHONPATH=$PWD &&
-           run fp8_ab_patched 80 python3 bench/lab/fp8_ab.py --tag patched)
+        in_patched run fp8_ab_patched 80 python3 bench/lab/fp8_ab.py --tag patched
       fi
       run fp8_paged 90 python3 -c "from bench.suite_fp8 import paged_rows
 for r in paged_rows(): print({k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()})" ;;

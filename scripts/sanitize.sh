@@ -40,8 +40,9 @@ command -v "$cs" > /dev/null || { echo "sanitize.sh: $cs not found (set COMPUTE_
 # flash form (plain, causal, window) on both flash kernels (mma.sync and, on sm_90, wgmma:
 # TMA and cp.async loads, the fetched varlen schedule, narrow key tiles, windows on the
 # paired row tiles); the FP8 forward (dense: hooks, windows, GQA, split, varlen with empty
-# sequences; paged_prefill on FP8 math: both query modes, per-KV-head scales, split); paged v1/v2 with one and many partitions (128..1024), partial last KV
-# blocks at block sizes 8/16/32, empty sequences, GQA 1..16, fp8, ALiBi, both forms of the
+# sequences; paged_prefill on FP8 math: both query modes, per-KV-head scales, split); paged
+# v1/v2 with one and many partitions (128..1024), partial last KV blocks at block sizes
+# 8/16/32, empty sequences, GQA 1..16, fp8, ALiBi, both forms of the
 # paged kernel (tensor-core, CUDA-core) on odd groups; reshape_and_cache; merge (pair,
 # stacked, +/-inf); CUDA-graph replays of all of them; paged_prefill (both layouts, block
 # sizes 1 and 8, few and many rows, split + sinks, every hook, prefix sharing, graph replay;
