@@ -9,7 +9,8 @@ in runs of CHUNK neighbouring ids, round-robin: neighbouring parametrizations mo
 their kernels, which one shard then compiles, and a family of large tests is spread over shards
 that reach it at different times (each shard's tests return CuPy's cached blocks to the device,
 tests/conftest.py, but N at once still share one GPU's memory). The other options in
-PYTEST_ARGS (-rfE, --maxfail=N, ...: with a value, as --name=value) go to every shard. Shard i
+PYTEST_ARGS (-rfE, --maxfail=N, ...) go to every shard; an option's value goes as --name=value,
+or as the next argument for the options of VALUED. Shard i
 writes LOGDIR/shard<i>.txt. Printed: each shard's exit code and pytest summary line, every
 FAILED / ERROR line, the totals. A shard still running at --timeout seconds is killed and
 reported so (its log holds how far it got). Exits 0 only when every shard exited 0.
@@ -25,6 +26,9 @@ from pathlib import Path
 
 PYTEST = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider"]
 CHUNK = 8
+# pytest options whose value may come as the next argument: kept with it (any other option
+# followed by a word would take that word from the selection, silently).
+VALUED = ("--deselect", "--ignore", "--ignore-glob", "--maxfail", "--tb", "--durations", "-o")
 COUNTS = re.compile(r"(\d+) (passed|failed|skipped|deselected|errors?|xfailed|xpassed)")
 
 
@@ -39,14 +43,18 @@ def collect(args: list[str]) -> list[str]:
 def shard_options(args: list[str]) -> list[str]:
     """The options every shard takes: all but the selection (paths, -m, -k), which the
     collected ids already are."""
-    options, skip = [], False
+    options, skip, keep = [], False, False
     for a in args:
         if skip:
             skip = False
+        elif keep:
+            options.append(a)
+            keep = False
         elif a in ("-m", "-k"):
             skip = True
         elif a.startswith("-") and not a.startswith(("-m", "-k")):
             options.append(a)
+            keep = a in VALUED
     return options
 
 

@@ -26,6 +26,19 @@ def test_the_sanitizer_suite_names_existing_tests():
                    for line in collected), test_id
 
 
+def test_shards_keep_an_options_value_out_of_the_selection():
+    # "--deselect ID" once took each shard's first test id as the value: ten tests unrun, unsaid
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        import pytest_shards
+    finally:
+        sys.path.pop(0)
+    args = ["-m", "gpu", "-rfE", "--deselect", "tests/a.py::slow", "--maxfail=3", "-k", "x",
+            "tests/a.py"]
+    assert pytest_shards.shard_options(args) == ["-rfE", "--deselect", "tests/a.py::slow",
+                                                 "--maxfail=3"]
+
+
 # -- bench/run.py ------------------------------------------------------------------------------
 
 def test_bench_refuses_an_unknown_suite_and_lists_them(capsys):
