@@ -1,6 +1,7 @@
 """The device scripts against the test suite: every test id scripts/sanitize.sh names in its
 reduced suite exists (a renamed or re-parametrized test would otherwise make the sanitizer
-run fail at collection, on the device)."""
+run fail at collection, on the device); scripts/pytest_shards.py hands each shard the options
+with their values; bench/run.py's CPU behaviour."""
 from __future__ import annotations
 
 import re
