@@ -4,6 +4,7 @@ run fail at collection, on the device); scripts/pytest_shards.py hands each shar
 with their values; bench/run.py's CPU behaviour."""
 from __future__ import annotations
 
+import importlib.util
 import re
 import subprocess
 import sys
@@ -29,11 +30,10 @@ def test_the_sanitizer_suite_names_existing_tests():
 
 def test_shards_keep_an_options_value_out_of_the_selection():
     # "--deselect ID" once took each shard's first test id as the value: ten tests unrun, unsaid
-    sys.path.insert(0, str(REPO / "scripts"))
-    try:
-        import pytest_shards
-    finally:
-        sys.path.pop(0)
+    spec = importlib.util.spec_from_file_location("pytest_shards",
+                                                  REPO / "scripts" / "pytest_shards.py")
+    pytest_shards = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pytest_shards)
     args = ["-m", "gpu", "-rfE", "--deselect", "tests/a.py::slow", "--maxfail=3", "-k", "x",
             "tests/a.py"]
     assert pytest_shards.shard_options(args) == ["-rfE", "--deselect", "tests/a.py::slow",
