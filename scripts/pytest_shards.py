@@ -13,7 +13,9 @@ PYTEST_ARGS (-rfE, --maxfail=N, ...) go to every shard; an option's value goes a
 or as the next argument for the options of VALUED. Shard i
 writes LOGDIR/shard<i>.txt. Printed: each shard's exit code and pytest summary line, every
 FAILED / ERROR line, the totals. A shard still running at --timeout seconds is killed and
-reported so (its log holds how far it got). Exits 0 only when every shard exited 0.
+reported so (its log holds how far it got), and one whose summary accounts for fewer tests
+than it was dealt (an option that took an id as its value, a test deselected by a hook) is
+reported with how many. Exits 0 only when every shard exited 0 and ran all it was dealt.
 """
 from __future__ import annotations
 
@@ -30,6 +32,8 @@ CHUNK = 8
 # followed by a word would take that word from the selection, silently).
 VALUED = ("--deselect", "--ignore", "--ignore-glob", "--maxfail", "--tb", "--durations", "-o")
 COUNTS = re.compile(r"(\d+) (passed|failed|skipped|deselected|errors?|xfailed|xpassed)")
+# The kinds of a summary line that a dealt test ends as (a teardown error may add one more).
+RAN = ("passed", "failed", "skipped", "errors", "xfailed", "xpassed")
 
 
 def collect(args: list[str]) -> list[str]:
@@ -58,6 +62,15 @@ def shard_options(args: list[str]) -> list[str]:
     return options
 
 
+def counts(summary: str) -> dict[str, int]:
+    """A pytest summary line's counts by kind ("error" and "errors" both as "errors")."""
+    found: dict[str, int] = {}
+    for count, kind in COUNTS.findall(summary):
+        kind = "errors" if kind.startswith("error") else kind
+        found[kind] = found.get(kind, 0) + int(count)
+    return found
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("-n", type=int, required=True, help="processes")
@@ -83,7 +96,7 @@ def main() -> int:
     totals: dict[str, int] = {}
     failures: list[str] = []
     status = 0
-    for log, proc in procs:
+    for (log, proc), shard in zip(procs, shards):
         left = None if a.timeout is None else max(0.0, a.timeout - (time.perf_counter() - start))
         try:
             rc = proc.wait(timeout=left)
@@ -99,9 +112,13 @@ def main() -> int:
         counted = [ln for ln in lines if COUNTS.search(ln)]
         summary = counted[-1].strip("= ") if counted else "(no summary line)"
         print(f"{log.name}: exit {rc}: {summary}")
-        for count, kind in COUNTS.findall(summary):
-            kind = "errors" if kind.startswith("error") else kind
-            totals[kind] = totals.get(kind, 0) + int(count)
+        found = counts(summary)
+        for kind, count in found.items():
+            totals[kind] = totals.get(kind, 0) + count
+        ran = sum(found.get(kind, 0) for kind in RAN)
+        if ran < len(shard):
+            print(f"{log.name}: accounts for {ran} of the {len(shard)} tests it was dealt")
+            status = 1
     for line in failures:
         print(line)
     total = ", ".join(f"{v} {k}" for k, v in totals.items())

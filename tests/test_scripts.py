@@ -1,7 +1,8 @@
 """The device scripts against the test suite: every test id scripts/sanitize.sh names in its
 reduced suite exists (a renamed or re-parametrized test would otherwise make the sanitizer
 run fail at collection, on the device); scripts/pytest_shards.py hands each shard the options
-with their values; bench/run.py's CPU behaviour."""
+with their values and fails a shard that ran fewer tests than it was dealt; bench/run.py's CPU
+behaviour."""
 from __future__ import annotations
 
 import importlib.util
@@ -28,16 +29,38 @@ def test_the_sanitizer_suite_names_existing_tests():
                    for line in collected), test_id
 
 
+SHARDS = REPO / "scripts" / "pytest_shards.py"
+
+
 def test_shards_keep_an_options_value_out_of_the_selection():
     # "--deselect ID" once took each shard's first test id as the value: ten tests unrun, unsaid
-    spec = importlib.util.spec_from_file_location("pytest_shards",
-                                                  REPO / "scripts" / "pytest_shards.py")
+    spec = importlib.util.spec_from_file_location("pytest_shards", SHARDS)
     pytest_shards = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(pytest_shards)
     args = ["-m", "gpu", "-rfE", "--deselect", "tests/a.py::slow", "--maxfail=3", "-k", "x",
             "tests/a.py"]
     assert pytest_shards.shard_options(args) == ["-rfE", "--deselect", "tests/a.py::slow",
                                                  "--maxfail=3"]
+
+
+def test_shards_fail_when_a_shard_runs_fewer_tests_than_dealt(tmp_path):
+    # --junit-prefix takes its value as the next argument and is not in VALUED: the shard's
+    # first id becomes the prefix and that test does not run, as --deselect's did
+    (tmp_path / "test_three.py").write_text("def test_a(): pass\n"
+                                           "def test_b(): pass\n"
+                                           "def test_c(): pass\n")
+    done = subprocess.run([sys.executable, str(SHARDS), "-n", "1", "--logdir", "logs", "--",
+                           "--junit-prefix", "p", "test_three.py"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "shard0.txt: exit 0: 2 passed" in done.stdout, done.stdout
+    assert "shard0.txt: accounts for 2 of the 3 tests it was dealt" in done.stdout, done.stdout
+    # and the same selection without the option passes
+    done = subprocess.run([sys.executable, str(SHARDS), "-n", "2", "--logdir", "logs", "--",
+                           "test_three.py"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "(3 tests): 3 passed" in done.stdout and "accounts for" not in done.stdout
 
 
 # -- bench/run.py ------------------------------------------------------------------------------
