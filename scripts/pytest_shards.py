@@ -14,7 +14,7 @@ or as the next argument for the options of VALUED. Shard i
 writes LOGDIR/shard<i>.txt. Printed: each shard's exit code and pytest summary line, every
 FAILED / ERROR line, the totals. A shard still running at --timeout seconds is killed and
 reported so (its log holds how far it got), and one whose summary accounts for fewer tests
-than it was dealt (an option that took an id as its value, a test deselected by a hook) is
+than it was dealt (an option that took an id as its value, a shard stopped by --maxfail) is
 reported with how many. Exits 0 only when every shard exited 0 and ran all it was dealt.
 """
 from __future__ import annotations
