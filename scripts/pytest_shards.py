@@ -62,15 +62,6 @@ def shard_options(args: list[str]) -> list[str]:
     return options
 
 
-def counts(summary: str) -> dict[str, int]:
-    """A pytest summary line's counts by kind ("error" and "errors" both as "errors")."""
-    found: dict[str, int] = {}
-    for count, kind in COUNTS.findall(summary):
-        kind = "errors" if kind.startswith("error") else kind
-        found[kind] = found.get(kind, 0) + int(count)
-    return found
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("-n", type=int, required=True, help="processes")
@@ -112,10 +103,11 @@ def main() -> int:
         counted = [ln for ln in lines if COUNTS.search(ln)]
         summary = counted[-1].strip("= ") if counted else "(no summary line)"
         print(f"{log.name}: exit {rc}: {summary}")
-        found = counts(summary)
-        for kind, count in found.items():
-            totals[kind] = totals.get(kind, 0) + count
-        ran = sum(found.get(kind, 0) for kind in RAN)
+        ran = 0
+        for count, kind in COUNTS.findall(summary):
+            kind = "errors" if kind.startswith("error") else kind
+            totals[kind] = totals.get(kind, 0) + int(count)
+            ran += int(count) if kind in RAN else 0
         if ran < len(shard):
             print(f"{log.name}: accounts for {ran} of the {len(shard)} tests it was dealt")
             status = 1
