@@ -1,12 +1,12 @@
 """The on-disk cubin cache: ``$CUATTN_CACHE_DIR`` (default ``~/.cache/cuattn``).
 
 An entry is ``<arch>/<variant name>-<digest>.cubin``; the digest covers every byte that
-reaches the compiler (the generated entry point and every cuda_src/ header it
-includes, transitively), the options, the architecture and the NVRTC version, so an
-edited header can never reuse a stale binary. Entries are written to a temporary file
-and renamed into place, under a per-entry file lock: two processes asking for the same
-variant compile it once and no reader ever sees half a file. A corrupt entry is
-recompiled; an unwritable directory degrades to compiling in memory, with one warning.
+reaches the compiler (the generated entry point and every header NVRTC opens for it,
+found as NVRTC finds them: ``included_files``), the options, the architecture and the
+NVRTC version, so an edited header can never reuse a stale binary. Entries are written to
+a temporary file and renamed into place, under a per-entry file lock: two processes asking
+for the same variant compile it once and no reader ever sees half a file. A corrupt entry
+is recompiled; an unwritable directory degrades to compiling in memory, with one warning.
 """
 from __future__ import annotations
 
@@ -21,8 +21,7 @@ from pathlib import Path
 
 from . import compiler
 
-_INCLUDE_RE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.MULTILINE)
-_SYSTEM_INCLUDE_RE = re.compile(r'^\s*#\s*include\s*<([^>]+)>', re.MULTILINE)
+_INCLUDE_RE = re.compile(r'^\s*#\s*include\s*([<"])([^">]+)[">]', re.MULTILINE)
 
 
 def cache_dir() -> Path:
@@ -30,48 +29,61 @@ def cache_dir() -> Path:
 
 
 @functools.cache
-def _file(path: Path, mtime_ns: int, size: int) -> tuple[str, bytes]:
-    """(text, sha256) of a file as of (mtime, size): each header is read once per process."""
-    data = path.read_bytes()
-    return data.decode(errors="replace"), hashlib.sha256(data).digest()
+def _file(path: str, mtime_ns: int, size: int) -> tuple[tuple, bytes]:
+    """(its include directives, sha256) of a file as of (mtime, size): each file is read and
+    scanned once per process."""
+    data = Path(path).read_bytes()
+    return tuple(_INCLUDE_RE.findall(data.decode(errors="replace"))), hashlib.sha256(data).digest()
 
 
-def _read(path: Path) -> tuple[str, bytes]:
-    st = path.stat()
+def _read(path: str) -> tuple[tuple, bytes]:
+    st = os.stat(path)
     return _file(path, st.st_mtime_ns, st.st_size)
 
 
+def _resolve(name: str, folders: tuple[str, ...]) -> str | None:
+    """The first folder's ``name`` that is a file, as NVRTC looks for an include."""
+    paths = (os.path.normpath(os.path.join(folder, name)) for folder in folders)
+    return next((p for p in paths if os.path.isfile(p)), None)
+
+
 def included_files(source: str) -> list[Path]:
-    """Every cuda_src/ file a source includes with "quotes", transitively, in a stable order."""
-    root = compiler.cuda_src_dir()
-    seen: dict[Path, None] = {}
-    pending = [source]
+    """Every file NVRTC opens for ``source`` (a generated entry point), transitively, in a
+    stable order: cuda_src/ headers and the CUDA headers they reach.
+
+    Resolved as NVRTC resolves them: ``#include "x"`` in the including file's folder first
+    (the program's is cuda_src/: compiler.program_name), then along the include path;
+    ``#include <x>`` along the include path only. A name found nowhere is one of NVRTC's
+    built-in headers, covered by its version. Every directive counts, also one that an
+    ``#if`` leaves out: a file too many in the digest costs a recompile, one too few a
+    stale cubin.
+    """
+    search = tuple(str(d) for d in compiler.include_dirs())
+    seen: dict[str, None] = {}
+    pending = [(tuple(_INCLUDE_RE.findall(source)), str(compiler.cuda_src_dir()))]
     while pending:
-        for rel in _INCLUDE_RE.findall(pending.pop()):
-            path = (root / rel).resolve()
-            if path not in seen and path.is_file():
+        includes, folder = pending.pop()
+        for bracket, name in includes:
+            path = _resolve(name, ((folder,) if bracket == '"' else ()) + search)
+            if path is not None and path not in seen:
                 seen[path] = None
-                pending.append(_read(path)[0])
-    return sorted(seen)
+                pending.append((_read(path)[0], os.path.dirname(path)))
+    return [Path(p) for p in sorted(seen)]
 
 
 def digest(source: str, arch: str) -> str:
-    """Hash of everything that determines the cubin."""
+    """Hash of everything that determines the cubin: the source, every file it includes
+    (by its name under its include directory, and its bytes), the architecture, the NVRTC
+    version and the options (less the ``-I`` paths, which name this machine's folders)."""
     h = hashlib.sha256()
-    root = compiler.cuda_src_dir()
     for part in (source, arch, repr(compiler.nvrtc_version()),
                  repr([o for o in compiler.compile_options(arch) if not o.startswith("-I")])):
         h.update(part.encode() + b"\0")
-    ours = included_files(source)
-    for path in ours:
-        h.update(str(path.relative_to(root)).encode() + b"\0" + _read(path)[1])
-    # The CUDA headers we include (cuda_bf16.h, ...) may come from another package
-    # version than NVRTC itself: hash the ones named directly.
-    cuda_inc = Path(compiler.cuda_include_dir())
-    for text in [source] + [_read(p)[0] for p in ours]:
-        for rel in _SYSTEM_INCLUDE_RE.findall(text):
-            if (path := cuda_inc / rel).is_file():
-                h.update(rel.encode() + b"\0" + _read(path)[1])
+    roots = [Path(os.path.normpath(r)) for r in compiler.include_dirs()]
+    for path in included_files(source):
+        i = next((i for i, r in enumerate(roots) if path.is_relative_to(r)), None)
+        name = path if i is None else f"{i}:{path.relative_to(roots[i])}"
+        h.update(f"{name}".encode() + b"\0" + _read(str(path))[1])
     return h.hexdigest()[:20]
 
 

@@ -115,6 +115,19 @@ def check_arch(arch) -> str:
                      "(and sm_90a etc. for the arch-specific features)")
 
 
+def include_dirs() -> list[Path]:
+    """NVRTC's include path (``-I``), in its search order."""
+    return [cuda_src_dir(), Path(cuda_include_dir())]
+
+
+def program_name(variant: str) -> Path:
+    """The name NVRTC gives a variant's generated source. NVRTC resolves a quoted include
+    against the including file's folder first, and for the program itself that folder is
+    its name's: named inside cuda_src/, a generated ``#include "flash_fwd.cuh"`` finds the
+    kernel header there, never a file of that name in the process's working directory."""
+    return cuda_src_dir() / f"{variant}.cu"
+
+
 def compile_options(arch: str) -> list[str]:
     """Every option that reaches NVRTC (part of the cache key)."""
     return [
@@ -122,9 +135,7 @@ def compile_options(arch: str) -> list[str]:
         "-std=c++17",
         "--use_fast_math",        # exp2f/__expf and approximate division in the softmax
         "--ptxas-options=-v",     # register / spill report in the log, checked by tests
-        f"-I{cuda_src_dir()}",
-        f"-I{cuda_include_dir()}",
-    ]
+    ] + [f"-I{d}" for d in include_dirs()]
 
 
 def compile_cubin(source: str, variant: str, arch: str) -> CompileResult:
@@ -139,7 +150,8 @@ def compile_ptx(source: str, variant: str, arch: str) -> str:
 
 def _compile(source: str, variant: str, arch: str, ptx: bool) -> CompileResult:
     nvrtc = _nvrtc()
-    prog = _check(nvrtc.nvrtcCreateProgram(source.encode(), f"{variant}.cu".encode(), 0, [], []),
+    prog = _check(nvrtc.nvrtcCreateProgram(source.encode(),
+                                           str(program_name(variant)).encode(), 0, [], []),
                   "nvrtcCreateProgram")
     try:
         options = [o.encode() for o in compile_options(arch)]
