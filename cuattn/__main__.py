@@ -57,7 +57,7 @@ def cmd_info(_args) -> int:
 def cmd_precompile(args) -> int:
     from tqdm import tqdm
 
-    from . import variants
+    from . import shipped
     from .jit import build, cache, compiler
     if args.arch is not None:
         arch, source = args.arch, "--arch"
@@ -77,7 +77,7 @@ def cmd_precompile(args) -> int:
         print(f"precompile: cannot store kernels in {cache.cache_dir()} ({exc}); "
               "set CUATTN_CACHE_DIR to a writable directory", file=sys.stderr)
         return 1
-    todo = variants.shipped(args.ops, arch.removesuffix("a"))
+    todo = shipped.shipped(args.ops, arch.removesuffix("a"))
     compiled = failed = 0
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:   # NVRTC releases the GIL
         futures = {pool.submit(build, v, arch): v for v in todo}
@@ -124,7 +124,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def main(argv=None) -> int:
-    from .tuning import SHIPPED
+    from .shipped import SHIPPED
 
     ops = sorted(SHIPPED)
     prog = "python -m cuattn" if sys.argv[0].endswith("__main__.py") else "cuattn"

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .variants import KV_DENSE, KV_PAGED_NHD, KV_PAGED_VLLM
+from .constants import KV_DENSE, KV_PAGED_NHD, KV_PAGED_VLLM
 
 MAP_BYTES = 128                      # sizeof(CUtensorMap)
 MAPS_DTYPE = np.dtype([("q", f"V{MAP_BYTES}"), ("k", f"V{MAP_BYTES}"), ("v", f"V{MAP_BYTES}")])

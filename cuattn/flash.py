@@ -25,8 +25,9 @@ from ._hooks import alibi_stride, check_hooks, hook_fields
 from ._launch import (NULL, Launch, Plan, execute, on_device, plan_cache, plan_for,
                       returns)
 from .jit import device_info, get_kernel
-from .variants import (FEAT_SINKS, FLASH_PARAMS, MASK_CAUSAL, MASK_NONE, MASK_WINDOW,
-                       QUANTIZE_PARAMS, FlashFwdSm90Variant)
+from .constants import FEAT_SINKS, MASK_CAUSAL, MASK_NONE, MASK_WINDOW
+from .keys import FlashFwdSm90Variant
+from .param_structs import FLASH_PARAMS, QUANTIZE_PARAMS
 
 MAX_HEAD_DIM = 256
 _MAX_GRID_YZ = 65535

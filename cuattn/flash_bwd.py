@@ -19,7 +19,8 @@ from ._launch import NULL, Launch, Plan, execute, on_device, plan_cache, plan_fo
 from .flash import _INT32_MAX, _MAX_GRID_YZ, _check_cu_seqlens, _check_options, _check_qkv, \
     _mask_and_bounds, check_fixed_lengths, check_max_seqlens
 from .jit import device_info, get_kernel
-from .variants import FEAT_SINKS, FLASH_BWD_PARAMS, MASK_CAUSAL
+from .constants import FEAT_SINKS, MASK_CAUSAL
+from .param_structs import FLASH_BWD_PARAMS
 
 _plans = plan_cache()
 _FIXED_NAMES = ("dout", "q", "k", "v", "out", "lse", "alibi_slopes", "sinks", "dq", "dk", "dv")

@@ -29,7 +29,7 @@ from .jit import get_kernel
 from .paged import scales
 from .paged.layout import MAX_FLASH_CONTEXT, CacheInfo
 from .paged.prefill import flash_form_plan
-from .variants import KVCACHE_APPEND_PARAMS
+from .param_structs import KVCACHE_APPEND_PARAMS
 
 _plans = plan_cache()
 # The arguments in the order of flash_form_plan's (q, k_cache, v_cache, block_tables,

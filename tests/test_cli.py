@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from cuattn import variants
+from cuattn import shipped as shipped_set
 from cuattn.__main__ import main
 from cuattn.jit import cache, compiler
 
@@ -38,7 +38,7 @@ def _main(capsys, *args) -> tuple[int, str, str]:
 def test_cli_precompile_info_list_clear(tmp_path):
     r = _cli("precompile", "--arch", "sm_90", "--ops", "merge", "-q", cache_dir=tmp_path)
     assert r.returncode == 0, r.stderr
-    n = len(variants.shipped(["merge"]))
+    n = len(shipped_set.shipped(["merge"]))
     assert f"{n} variants, {n} compiled" in r.stdout
     r = _cli("info", cache_dir=tmp_path)
     assert r.returncode == 0 and f"({n} kernels" in r.stdout and "sm_90" in r.stdout

@@ -19,7 +19,8 @@ from .._hooks import alibi_stride, check_hooks, hook_fields
 from .._launch import (NULL, Launch, Plan, execute, on_device, plan_cache, plan_for,
                        returns)
 from ..jit import get_kernel
-from ..variants import FEAT_ALIBI, FEAT_SINKS, FEAT_SOFTCAP, PAGED_PARAMS, PAGED_REDUCE_PARAMS
+from ..constants import FEAT_ALIBI, FEAT_SINKS, FEAT_SOFTCAP
+from ..param_structs import PAGED_PARAMS, PAGED_REDUCE_PARAMS
 from . import scales
 from .forms import form_for
 from .layout import (check_caches, check_flash_context, check_head_size, check_layout,

@@ -17,7 +17,7 @@ from .. import tuning
 from .._launch import Launch, Plan, execute, on_device, plan_cache, plan_for, returns
 from ..flash import _check_cu_seqlens
 from ..jit import get_kernel
-from ..variants import FLASHINFER_TABLES_PARAMS
+from ..param_structs import FLASHINFER_TABLES_PARAMS
 from .layout import BLOCK_SIZES, MAX_FLASH_CONTEXT, NHD_BLOCK_SIZES
 
 _plans = plan_cache()

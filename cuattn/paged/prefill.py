@@ -29,7 +29,7 @@ from .._launch import NULL, Plan, execute, on_device, plan_cache, plan_for, retu
 from ..flash import _MAX_GRID_YZ, Call, QuantizeQ, _check_cu_seqlens, _check_fp8, _check_options
 from ..flash import _plan as flash_plan
 from ..jit import device_info
-from ..variants import FEAT_ALIBI, FEAT_SINKS, FEAT_SOFTCAP, KV_PAGED_NHD, KV_PAGED_VLLM
+from ..constants import FEAT_ALIBI, FEAT_SINKS, FEAT_SOFTCAP, KV_PAGED_NHD, KV_PAGED_VLLM
 from . import scales
 from .attention import decode_launches, window_bound
 from .forms import FORMS
