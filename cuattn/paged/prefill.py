@@ -31,7 +31,7 @@ from ..flash import _plan as flash_plan
 from ..jit import device_info
 from ..constants import FEAT_ALIBI, FEAT_SINKS, FEAT_SOFTCAP, KV_PAGED_NHD, KV_PAGED_VLLM
 from . import scales
-from .attention import decode_launches, window_bound
+from .forms import decode_launches, window_bound
 from .forms import FORMS
 from .layout import (PREFILL_HEAD_SIZES, check_caches, check_flash_context, check_head_size,
                      check_layout, check_tables)
