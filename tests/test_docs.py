@@ -128,10 +128,10 @@ def test_architecture_shows_a_real_generated_source():
 
 
 def test_architecture_names_every_variant_and_params_struct():
-    from cuattn import shipped as shipped_set
+    from cuattn import param_structs
     from tests.test_jit import _all_variant_classes
     text = ARCHITECTURE.read_text()
-    mirrors = {name: p for name, p in vars(variants).items() if name.endswith("_PARAMS")}
+    mirrors = {name: p for name, p in vars(param_structs).items() if name.endswith("_PARAMS")}
     names = [c.__name__ for c in _all_variant_classes()] + list(mirrors) + \
         [p.cpp_name for p in mirrors.values()]
     assert [n for n in names if f"`{n}`" not in text] == []

@@ -26,7 +26,8 @@ from .. import _tma, tuning
 from .._dtypes import ACTIVATION_DTYPES, FP8_E4M3, UINT8_E4M3, activation_dtype
 from .._hooks import alibi_stride, check_hooks, hook_fields
 from .._launch import NULL, Plan, execute, on_device, plan_cache, plan_for, returns
-from ..flash import _MAX_GRID_YZ, Call, QuantizeQ, _check_cu_seqlens, _check_fp8, _check_options
+from .._checks import MAX_GRID_YZ, MAX_SEQLEN, check_cu_seqlens, check_fp8, check_options
+from ..flash import Call, QuantizeQ
 from ..flash import _plan as flash_plan
 from ..jit import device_info
 from ..constants import FEAT_ALIBI, FEAT_SINKS, FEAT_SOFTCAP, KV_PAGED_NHD, KV_PAGED_VLLM
@@ -40,7 +41,6 @@ _plans = plan_cache()
 _NAMES = ("q", "k_cache", "v_cache", "block_tables", "seq_lens", "cu_seqlens_q", "alibi_slopes",
           "sinks", "k_scale", "v_scale", "q_scale", "q_descale", "out")
 _Q_DOC = "(total_q, nheads, head_size)"
-_MAX_SEQLEN = 2**29
 
 
 def paged_prefill(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, *,
@@ -110,16 +110,16 @@ def _plan(arrays, max_seqlen_q, causal, softmax_scale, window_size, softcap, k_s
     if info.num_kv_heads == 0 or nheads % info.num_kv_heads:
         raise ValueError(f"q: nheads {nheads} is not a multiple of the caches' nheads_kv "
                          f"{info.num_kv_heads}")
-    _check_cu_seqlens(cu_q, "cu_seqlens_q")
+    check_cu_seqlens(cu_q, "cu_seqlens_q")
     num_seqs = cu_q.shape[0] - 1
     check_tables(block_tables, seq_lens, num_seqs)   # num_seqs: cu_seqlens_q has num_seqs + 1
     if isinstance(max_seqlen_q, bool) or not isinstance(max_seqlen_q, (int, np.integer)):
         raise TypeError(f"max_seqlen_q: expected an int, got {type(max_seqlen_q).__name__}")
-    if not 0 <= max_seqlen_q < _MAX_SEQLEN:
+    if not 0 <= max_seqlen_q < MAX_SEQLEN:
         raise ValueError(f"max_seqlen_q: expected 0 <= max_seqlen_q < 2**29, got {max_seqlen_q}")
     max_seqlen_q = int(max_seqlen_q)
     check_flash_context(block_tables, info.block_size)
-    softmax_scale, left, right, num_splits, return_lse = _check_options(
+    softmax_scale, left, right, num_splits, return_lse = check_options(
         causal, softmax_scale, window_size, num_splits, return_lse, head_size)
     device_id = q.device.id
     A.check_same_device({"k_cache": k_cache, "v_cache": v_cache, "block_tables": block_tables,
@@ -184,13 +184,13 @@ def _check_fp8_math(q, q_array, q_scale, q_descale, out, info, kv_layout, dtype,
                          f"{tuning.PREFILL_SM90_MIN_BLOCK} tokens; k_cache has {info.block_size}")
     if fp8_q and out is not None and out.dtype not in ACTIVATION_DTYPES:
         raise ValueError(f"out: an e4m3 q writes float16 or ml_dtypes.bfloat16, got {out.dtype}")
-    if not fp8_q:    # (an e4m3 q: _check_fp8's own, naming q)
+    if not fp8_q:    # (an e4m3 q: check_fp8's own, naming q)
         arch = device_info(q.device.id).arch
         if arch != tuning.SM90_ARCH:
             raise ValueError(f"q_scale: FP8 math (e4m3 queries) runs on Hopper (sm_90) GPUs "
                              f"only; this device is {arch}")
     q8 = q if fp8_q else _tma.ArraySpec.contiguous(q.shape, 1)
-    out_type, fields = _check_fp8(FP8_E4M3, out.dtype if fp8_q and out is not None else None,
+    out_type, fields = check_fp8(FP8_E4M3, out.dtype if fp8_q and out is not None else None,
                                   (q_descale, None, None), num_seqs, info.num_kv_heads,
                                   q.device.id, (q8,) + tuple(caches))
     if not fp8_q:
@@ -323,8 +323,8 @@ def _decode_plan(q, info, block_tables, num_seqs, max_seqlen_q, dtype, features,
     when none does)."""
     total_q, nheads, head_size = q.shape
     device_id = q.device.id
-    if num_seqs > _MAX_GRID_YZ:
-        raise ValueError(f"q: batch {num_seqs} must be <= {_MAX_GRID_YZ} (grid dimensions)")
+    if num_seqs > MAX_GRID_YZ:
+        raise ValueError(f"q: batch {num_seqs} must be <= {MAX_GRID_YZ} (grid dimensions)")
     gqa = nheads // info.num_kv_heads
     tokens, group = tuning.paged_multi_token(head_size, gqa, max_seqlen_q)
     max_context = block_tables.shape[1] * info.block_size
