@@ -28,7 +28,7 @@ from ._checks import INT32_MAX, MAX_GRID_YZ, check_options
 from .jit import get_kernel
 from .paged import scales
 from .paged.layout import MAX_FLASH_CONTEXT, CacheInfo
-from .paged.prefill import flash_form_plan
+from .paged.prefill import PagedFlashCall, flash_form_plan
 from .param_structs import KVCACHE_APPEND_PARAMS
 
 _plans = plan_cache()
@@ -207,14 +207,14 @@ def _plan(arrays, cache_len, own_table, causal, softmax_scale, window_size, soft
         return None
     block_size = 1 << (seqlen_cache - 1).bit_length()
     info = CacheInfo(dtype.short, nheads_kv, head_size, block_size, 16, "nhd")
-    plan = flash_form_plan(
+    plan = flash_form_plan(PagedFlashCall(
         q3, k_cache, v_cache, table.reshape(batch, 1), info, "nhd", dtype=dtype,
         features=features, softcap=softcap, softmax_scale=softmax_scale, left=left,
         right=right, num_splits=num_splits, k_scale=scales.NONE, v_scale=scales.NONE, out=out3,
-        return_lse=return_lse, num_args=len(arrays), max_seqlen_q=seqlen_q, causal=causal,
+        return_lse=return_lse, num_args=len(arrays), max_seqlen_q=seqlen_q,
         capacity=seqlen_cache, new_keys=cache_len + seqlen_new,
         alibi_stride=alibi_stride(alibi_slopes),
-        hopper_ok=seqlen_q >= _HOPPER_MIN_SEQLEN_Q and seqlen_cache >= _HOPPER_MIN_SEQLEN_CACHE)
+        hopper_ok=seqlen_q >= _HOPPER_MIN_SEQLEN_Q and seqlen_cache >= _HOPPER_MIN_SEQLEN_CACHE))
     if not seqlen_new or batch == 0:
         return plan
     return _with_append(plan, arrays, dtype, cache_len, seqlen_new)

@@ -20,13 +20,14 @@ from .._launch import NULL, Plan, execute, on_device, plan_cache, plan_for, retu
 from ..constants import FEAT_ALIBI, FEAT_SINKS, FEAT_SOFTCAP
 from . import scales
 from .forms import decode_launches, form_for, window_bound
-from .prefill import flash_form_plan
+from .prefill import PagedFlashCall, flash_form_plan
 from .layout import (check_caches, check_flash_context, check_head_size, check_layout,
                      check_tables)
 
 _plans = plan_cache()
 _NAMES = ("q", "k_cache", "v_cache", "block_tables", "seq_lens", "alibi_slopes", "sinks",
           "k_scale", "v_scale", "out")
+_ARG = {name: i for i, name in enumerate(_NAMES)}
 _Q_DOC = "(num_seqs, nheads, head_size)"
 
 
@@ -135,12 +136,12 @@ def _plan(arrays, softmax_scale, k_scale, v_scale, softcap, window_size, kv_layo
                        align=16 if flash_form else 0)
     out_arg = len(arrays) - 1
     if flash_form:
-        return flash_form_plan(
+        return flash_form_plan(PagedFlashCall(
             q, k_cache, v_cache, block_tables, info, kv_layout, dtype=dtype, features=features,
             softcap=softcap, softmax_scale=softmax_scale, left=A.check_window(window_size)[0],
             right=0, num_splits=1 if version == "v1" else 0, k_scale=k_scale, v_scale=v_scale,
             out=out, return_lse=bool(return_lse), num_args=len(arrays), decode=True,
-            alibi_stride=alibi_stride(alibi_slopes))
+            alibi_stride=alibi_stride(alibi_slopes)))
 
     gqa = num_heads // info.num_kv_heads
     group = tuning.paged_group(gqa)
@@ -155,7 +156,9 @@ def _plan(arrays, softmax_scale, k_scale, v_scale, softcap, window_size, kv_layo
         len(arrays), [(out_arg if out is not None else None, q.shape, q.dtype)] +
         ([(None, lse_shape, np.float32)] if return_lse else []))
     out_slot, lse_slot = (returned_slots + (NULL,))[:2]
-    align = ((1, 16), (2, info.v_align), (3, 4), (4, 4), (5, 4), (6, 4), (7, 4), (8, 4))
+    align = ((_ARG["k_cache"], 16), (_ARG["v_cache"], info.v_align)) + tuple(
+        (_ARG[n], 4) for n in ("block_tables", "seq_lens", "alibi_slopes", "sinks", "k_scale",
+                               "v_scale"))
     common = dict(device_id=device_id, align=align, outputs=outputs, result=result)
 
     form = form_for(info.cache, head_size, group, nhd=hooks["nhd"])
@@ -180,8 +183,9 @@ def _plan(arrays, softmax_scale, k_scale, v_scale, softcap, window_size, kv_layo
             num_seqs=num_seqs, num_heads=num_heads, gqa_ratio=gqa, max_blocks_per_seq=max_blocks,
             out_stride_seq=o_seq, out_stride_head=o_head, lse_stride_head=l_head,
             lse_stride_seq=l_seq)
-        inputs = tuple(slots.arg(i) for i in range(7)) + (NULL,) + \
-            scales.slots(slots, 7, k_scale, v_scale)
+        # decode_launches' inputs: q .. sinks, no cu_seqlens_q, then the scales
+        inputs = tuple(slots.arg(_ARG[n]) for n in _NAMES[:_ARG["sinks"] + 1]) + (NULL,) + \
+            scales.slots(slots, _ARG["k_scale"], k_scale, v_scale)
         key_for = functools.partial(form.variant, dtype.short, info.cache, head_size,
                                     info.block_size, group, alibi=alibi, **hooks)
         return Plan(**common, **decode_launches(
