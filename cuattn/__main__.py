@@ -23,13 +23,21 @@ def cmd_info(_args) -> int:
     import cupy
     from cuda import bindings
 
-    from . import __version__
+    from . import __version__, shipped
     from .jit import cache, compiler
     print(f"cuattn        {__version__}")
     print(f"cupy          {cupy.__version__}")
     print(f"cuda-bindings {bindings.__version__}")
+    archs = compiler.supported_archs()
     print(f"nvrtc         {'.'.join(map(str, compiler.nvrtc_version()))}, targets "
-          f"{' '.join(compiler.supported_archs())}")
+          f"{' '.join(archs)}")
+    # The kernels that need an arch-specific target (the Hopper ones: sm_90a) compile for it
+    # on a device of the base architecture; precompile for sm_90 writes them there.
+    specific = {(v.target_arch(a), a) for a in archs for v in shipped.shipped(arch=a)
+                if v.target_arch(a) != a}
+    for target, base in sorted(specific):
+        print(f"              {target} (arch-specific: the kernels that need it, built by "
+              f"precompile for {base})")
     print(f"cuda headers  {compiler.cuda_include_dir()}")
     print(f"kernel source {compiler.cuda_src_dir()}")
     arch = _device_arch()

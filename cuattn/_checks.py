@@ -165,3 +165,37 @@ def check_fp8(dtype, out_dtype, descales, batch: int, nheads_kv: int, device_id:
                              f"positive strides, multiples of 16 bytes, below 2**40; got "
                              f"{x.strides}")
     return out, fields
+
+
+# ---- before the core is reached: the adapters' own checks ----------------------------------
+# cuattn.jax checks at trace time (a callback's error would surface late, as XLA's), and
+# cuattn.torch before its custom op (whose fake implementation never reaches the core);
+# both on their framework's arrays, whose dtypes they pass in.
+
+def check_input_dtypes(q, k, v, allowed: tuple) -> None:
+    """q of one of ``allowed`` (the framework's float16, bfloat16, float8_e4m3fn); k and v
+    of q's dtype."""
+    if q.dtype not in allowed:
+        raise TypeError(f"q: expected dtype float16, bfloat16 or float8_e4m3fn, got {q.dtype}")
+    for name, x in (("k", k), ("v", v)):
+        if x.dtype != q.dtype:
+            raise TypeError(f"{name}: expected q's dtype {q.dtype} (no mixing of FP8 and "
+                            f"16-bit inputs), got {x.dtype}")
+
+
+def check_descale_arrays(descales, dtype, fp8: bool, is_float32, kind: str, batch: int,
+                         nheads_kv: int) -> None:
+    """FlashAttention-3's descales (q_descale, k_descale, v_descale; None: absent): FP8 calls
+    only (``fp8``: q's ``dtype`` is float8_e4m3fn), float32 ``kind`` arrays (is_float32(d))
+    of shape (batch, nheads_kv)."""
+    for name, d in zip(DESCALES, descales):
+        if d is None:
+            continue
+        if not fp8:
+            raise ValueError(f"{name}: only for float8_e4m3fn q / k / v, got {dtype}")
+        if not is_float32(d):
+            raise TypeError(f"{name}: expected a float32 {kind} of shape (batch, nheads_kv), "
+                            f"got {getattr(d, 'dtype', type(d).__name__)}")
+        if tuple(d.shape) != (batch, nheads_kv):
+            raise ValueError(f"{name}: expected shape {(batch, nheads_kv)} (batch, nheads_kv), "
+                             f"got {tuple(d.shape)}")

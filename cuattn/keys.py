@@ -46,10 +46,16 @@ def _dtype(prefix: str = "", **field_args):
     return key_field(prefix + "{}", cpp=_cpp_type, **field_args)
 
 
-_MASK = dict(name=lambda m: (_MASK_NAMES[m],))
-_FEATURES = dict(name=_features)
-_PARTITION = dict(name=lambda p: (f"p{p}" if p else "v1",))   # 0: v1 (whole sequence)
-_ALIBI = dict(name=lambda on: (f"a{int(on)}",))
+def _mask(mask: int) -> tuple[str, ...]:
+    return (_MASK_NAMES[mask],)
+
+
+def _partition(partition_size: int) -> tuple[str, ...]:
+    return (f"p{partition_size}" if partition_size else "v1",)     # 0: v1 (whole sequence)
+
+
+def _alibi(on: bool) -> tuple[str, ...]:
+    return (f"a{int(on)}",)
 
 # ---- flash (cuda_src/flash_fwd.cuh) -------------------------------------------------------------
 
@@ -61,7 +67,7 @@ class FlashFwdVariant(Variant):
     block_n: int = key_field("bn{}")
     num_warps: int = key_field("w{}")
     stages: int = key_field("st{}")
-    mask: int = key_field(**_MASK)             # MASK_NONE / MASK_CAUSAL / MASK_WINDOW
+    mask: int = key_field(_mask)             # MASK_NONE / MASK_CAUSAL / MASK_WINDOW
     split: bool = key_field(_flag("split"))    # write fp32 partials for the split-KV combine
     # FlashFwdTraits' knobs (cuda_src/flash_fwd.cuh, tuning.FlashTiles)
     q_smem: int = key_field(lambda q: {0: (), 1: ("qs",)}.get(q, (f"qs{q}",)))
@@ -119,7 +125,7 @@ class FlashFwdSm90Variant(Variant):
     block_m: int = key_field("bm{}")           # 64 query rows per warpgroup
     block_n: int = key_field("bn{}")
     stages: int = key_field("st{}")
-    mask: int = key_field(**_MASK)             # MASK_NONE / MASK_CAUSAL / MASK_WINDOW
+    mask: int = key_field(_mask)             # MASK_NONE / MASK_CAUSAL / MASK_WINDOW
     split: bool = key_field(_flag("split"))    # write fp32 partials for the split-KV combine
     features: int = key_field(_features, default=0)   # FEAT_* bits but FEAT_PACK_GQA
     # the producer loads by TMA (tensor maps of Q / K / V), else cp.async
@@ -260,7 +266,7 @@ class FlashBwdVariant(Variant):
     num_warps: int = key_field("w{}")     # BLOCK_N = 16 x num_warps keys
     # queries of a tile whose scores a warp holds at once (a multiple of 16)
     q_chunk: int = key_field("qc{}")
-    mask: int = key_field(**_MASK)        # MASK_NONE / MASK_CAUSAL / MASK_WINDOW
+    mask: int = key_field(_mask)        # MASK_NONE / MASK_CAUSAL / MASK_WINDOW
     # FEAT_SOFTCAP / FEAT_ALIBI (sinks change nothing here)
     features: int = key_field(_features, default=0)
 
@@ -314,7 +320,7 @@ class FlashBwdSm90Variant(Variant):
     head_dim: int = key_field("hd{}")     # compiled head dim (a multiple of 64)
     block_m: int = key_field("bm{}")      # query rows per tile (a multiple of 64)
     num_wg: int = key_field("wg{}")       # warpgroups: BLOCK_N = 64 x num_wg keys
-    mask: int = key_field(**_MASK)        # MASK_NONE / MASK_CAUSAL / MASK_WINDOW
+    mask: int = key_field(_mask)        # MASK_NONE / MASK_CAUSAL / MASK_WINDOW
     # FEAT_SOFTCAP / FEAT_ALIBI (sinks change nothing here)
     features: int = key_field(_features, default=0)
 
@@ -446,8 +452,8 @@ class PagedSimtVariant(Variant):
     block_size: int = key_field("bs{}")
     group: int = key_field("g{}")         # query heads per thread block (divides the GQA ratio)
     # 0 = v1 (whole sequence), else v2's partition in tokens
-    partition_size: int = key_field(**_PARTITION)
-    alibi: bool = key_field(**_ALIBI)
+    partition_size: int = key_field(_partition)
+    alibi: bool = key_field(_alibi)
     threads: int = key_field("t{}")
     softcap: bool = key_field(_flag("cap"), default=False)
     # v1 only (v2's sinks join in the reduce)
@@ -491,8 +497,8 @@ class PagedMmaVariant(Variant):
     # query heads per thread block, <= 8 (N columns: tokens x group)
     group: int = key_field("g{}")
     # 0 = v1 (whole sequence), else v2's partition in tokens
-    partition_size: int = key_field(**_PARTITION)
-    alibi: bool = key_field(**_ALIBI)
+    partition_size: int = key_field(_partition)
+    alibi: bool = key_field(_alibi)
     num_warps: int = key_field("w{}")     # the ring (tuning.PagedMmaTiles)
     stages: int = key_field("st{}")
     softcap: bool = key_field(_flag("cap"), default=False)

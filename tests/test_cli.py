@@ -43,6 +43,7 @@ def test_cli_precompile_info_list_clear(tmp_path):
     r = _cli("info", cache_dir=tmp_path)
     assert r.returncode == 0 and f"({n} kernels" in r.stdout and "sm_90" in r.stdout
     assert "cuda-bindings" in r.stdout
+    assert "sm_90a (arch-specific" in r.stdout      # the Hopper kernels' target
     r = _cli("cache", "list", cache_dir=tmp_path)
     listed = r.stdout.splitlines()
     assert r.returncode == 0 and len(listed) == n
