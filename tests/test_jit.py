@@ -1,6 +1,7 @@
 """The run-time compiler and its cache (CPU only: NVRTC needs no GPU when the arch is named)."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import subprocess
@@ -36,6 +37,17 @@ def test_names_are_readable_symbols():
     assert len(names) == len(set(names)), "two shipped variants share a symbol"
     for name in names:
         assert re.fullmatch(r"cuattn_[a-z0-9_]+__[a-z0-9_]+", name), name
+
+
+@pytest.mark.parametrize("cls", _all_variant_classes(), ids=lambda c: c.__name__)
+def test_every_key_field_spells_itself_once(cls):
+    """A key's fields each declare their symbol part (cuattn.jit.key_field), and a key that
+    orders its parts or template arguments otherwise than its fields lists every field
+    once."""
+    fields = dataclasses.fields(cls)
+    assert [f.name for f in fields if f.metadata.get("name") is None] == []
+    for order in (cls.name_order, cls.traits_order):
+        assert not order or sorted(order) == sorted(f.name for f in fields), order
 
 
 @pytest.mark.parametrize("cls", _all_variant_classes(), ids=lambda c: c.__name__)

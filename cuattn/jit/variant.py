@@ -77,6 +77,8 @@ class Variant:
         return True
 
     def _spelled(self, what: str, order: tuple[str, ...]) -> tuple:
+        """Each field's ``what`` spelling (key_field's name or cpp), in ``order`` (empty:
+        the fields' own)."""
         fields = {f.name: f for f in dataclasses.fields(self)}
         out: tuple = ()
         for name in order or fields:
