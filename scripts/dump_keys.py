@@ -119,6 +119,11 @@ class FakeArray:
         self.data = _Data(FakeArray._next)
         FakeArray._next += ((self.nbytes + 4095) // 4096 + 1) * 4096
 
+    def reshape(self, *shape):
+        out = FakeArray(shape[0] if len(shape) == 1 else shape, self.dtype)
+        out.data = self.data
+        return out
+
 
 class _Captured(Exception):
     def __init__(self, plan):
@@ -158,6 +163,12 @@ def _patch(arch):
     tma.encodable = lambda dtype_short, arrays, kv_layout=None: all(
         tma.fits(x) for x in arrays if x is not None) if kv_layout is None else True
     tma.FlashMaps = lambda *a, **k: None
+    # flash_with_kvcache makes its constant arrays and packed views with cupy itself
+    import cuattn.kvcache as kvcache
+    kvcache.cupy = SimpleNamespace(
+        asarray=lambda x: FakeArray(np.shape(x), np.asarray(x).dtype),
+        ndarray=lambda shape, dtype, memptr=None, strides=None: FakeArray(shape, dtype, strides),
+        cuda=SimpleNamespace(Device=lambda i=0: SimpleNamespace(synchronize=lambda: None)))
     import cuattn._arrays as arrays
     real = getattr(arrays, "_real_as_device_array", arrays.as_device_array)
     arrays._real_as_device_array = real
