@@ -1,10 +1,11 @@
-"""cuattn benchmarks: ``python bench/run.py [--suite merge flash bwd decode prefill host cold]
-[--quick] [--json F] [--plot F.png] [--arch sm_XY]``.
+"""cuattn benchmarks: ``python bench/run.py [--suite merge flash bwd decode prefill host cold
+fp8] [--quick] [--json F] [--plot F.png] [--arch sm_XY]``.
 
 Prints one Markdown table per suite (bwd, the backward: one per timing method), each kernel
 beside its peers measured in the same run and against the device's own ceilings (copy and
 read bandwidth, bf16 matmul rate), also measured in this run; "host" is the host cost per
-call beside a bare kernel launch, "cold" the import and first-call times of fresh processes.
+call beside a bare kernel launch, "cold" the import and first-call times of fresh processes,
+"fp8" the FP8 forward (Hopper) beside cuattn's bf16 forward on the same shapes.
 Without a GPU it says so and precompiles the shipped kernels for ``--arch`` (default sm_90)
 instead, which is all such a machine can do.
 """

@@ -23,13 +23,21 @@ def cmd_info(_args) -> int:
     import cupy
     from cuda import bindings
 
-    from . import __version__
+    from . import __version__, shipped
     from .jit import cache, compiler
     print(f"cuattn        {__version__}")
     print(f"cupy          {cupy.__version__}")
     print(f"cuda-bindings {bindings.__version__}")
+    archs = compiler.supported_archs()
     print(f"nvrtc         {'.'.join(map(str, compiler.nvrtc_version()))}, targets "
-          f"{' '.join(compiler.supported_archs())}")
+          f"{' '.join(archs)}")
+    # The kernels that need an arch-specific target (the Hopper ones: sm_90a) compile for it
+    # on a device of the base architecture; precompile for sm_90 writes them there.
+    specific = {(v.target_arch(a), a) for a in archs for v in shipped.shipped(arch=a)
+                if v.target_arch(a) != a}
+    for target, base in sorted(specific):
+        print(f"              {target} (arch-specific: the kernels that need it, built by "
+              f"precompile for {base})")
     print(f"cuda headers  {compiler.cuda_include_dir()}")
     print(f"kernel source {compiler.cuda_src_dir()}")
     arch = _device_arch()
@@ -57,7 +65,7 @@ def cmd_info(_args) -> int:
 def cmd_precompile(args) -> int:
     from tqdm import tqdm
 
-    from . import variants
+    from . import shipped
     from .jit import build, cache, compiler
     if args.arch is not None:
         arch, source = args.arch, "--arch"
@@ -77,7 +85,7 @@ def cmd_precompile(args) -> int:
         print(f"precompile: cannot store kernels in {cache.cache_dir()} ({exc}); "
               "set CUATTN_CACHE_DIR to a writable directory", file=sys.stderr)
         return 1
-    todo = variants.shipped(args.ops, arch.removesuffix("a"))
+    todo = shipped.shipped(args.ops, arch.removesuffix("a"))
     compiled = failed = 0
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:   # NVRTC releases the GIL
         futures = {pool.submit(build, v, arch): v for v in todo}
@@ -124,7 +132,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def main(argv=None) -> int:
-    from .tuning import SHIPPED
+    from .shipped import SHIPPED
 
     ops = sorted(SHIPPED)
     prog = "python -m cuattn" if sys.argv[0].endswith("__main__.py") else "cuattn"

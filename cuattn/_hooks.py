@@ -17,7 +17,7 @@ import math
 import numpy as np
 
 from . import _arrays as A
-from .variants import FEAT_ALIBI, FEAT_SINKS, FEAT_SOFTCAP
+from .constants import FEAT_ALIBI, FEAT_SINKS, FEAT_SOFTCAP
 
 
 def check_softcap(value) -> float:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .variants import KV_DENSE, KV_PAGED_NHD, KV_PAGED_VLLM
+from .constants import KV_DENSE, KV_PAGED_NHD, KV_PAGED_VLLM
 
 MAP_BYTES = 128                      # sizeof(CUtensorMap)
 MAPS_DTYPE = np.dtype([("q", f"V{MAP_BYTES}"), ("k", f"V{MAP_BYTES}"), ("v", f"V{MAP_BYTES}")])
@@ -193,7 +193,7 @@ class FlashMaps:
     """A plan's launch arguments for the TMA form: ``maps(ptrs)`` -> (FlashTmaMaps bytes,
     FlashSm90Schedule) for the pointers in slots ``slots`` (q, k, v) of the call's pointer
     list, and the tile counter's in slot ``counter_slot`` (varlen calls; None: no counter).
-    kv (cuattn.variants KV_*): k and v are dense, or paged caches (NHD, vLLM's); head_dim:
+    kv (cuattn.constants KV_*): k and v are dense, or paged caches (NHD, vLLM's); head_dim:
     the kernel's (vLLM's maps box whole compiled rows)."""
 
     def __init__(self, dtype_short: str, q, k, v, slots: tuple[int, int, int], block_n: int,

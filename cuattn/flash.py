@@ -20,24 +20,21 @@ import numpy as np
 
 from . import _arrays as A
 from . import _tma, tuning
-from ._dtypes import BY_SHORT, FP8_E4M3, UINT8_E4M3, activation_dtype
+from ._checks import (DESCALES, INT32_MAX, MAX_GRID_YZ, check_cu_seqlens, check_fixed_lengths,
+                      check_fp8, check_max_seqlens, check_options, check_qkv)
+from ._dtypes import FP8_E4M3
 from ._hooks import alibi_stride, check_hooks, hook_fields
 from ._launch import (NULL, Launch, Plan, execute, on_device, plan_cache, plan_for,
                       returns)
+from .constants import FEAT_SINKS, MASK_CAUSAL, MASK_NONE, MASK_WINDOW
 from .jit import device_info, get_kernel
-from .variants import (FEAT_SINKS, FLASH_PARAMS, MASK_CAUSAL, MASK_NONE, MASK_WINDOW,
-                       QUANTIZE_PARAMS, FlashFwdSm90Variant)
-
-MAX_HEAD_DIM = 256
-_MAX_GRID_YZ = 65535
-_INT32_MAX = 2**31 - 1
-_MAX_SEQLEN = 2**29     # keeps every band bound of the kernel inside int32
+from .keys import FlashFwdSm90Variant
+from .param_structs import FLASH_PARAMS, QUANTIZE_PARAMS
 
 _plans = plan_cache()
-_DESCALES = ("q_descale", "k_descale", "v_descale")
-_FIXED_NAMES = ("q", "k", "v", "alibi_slopes", "sinks") + _DESCALES + ("out",)
+_FIXED_NAMES = ("q", "k", "v", "alibi_slopes", "sinks") + DESCALES + ("out",)
 _VARLEN_NAMES = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "alibi_slopes", "sinks") + \
-    _DESCALES + ("out",)
+    DESCALES + ("out",)
 
 
 def flash_forward(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1),
@@ -91,230 +88,81 @@ def flash_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
     return execute(plan, arrays, stream, ptrs)
 
 
-# ---- checks ---------------------------------------------------------------------------------
-
-def _check_qkv(q, k, v, ndim: int, doc_q: str, doc_kv: str, fp8: bool = False):
-    """q, k, v of one dtype: 16-bit, or (fp8: the forward) float8_e4m3fn."""
-    A.check_ndim(q, ndim, "q", doc_q)
-    A.check_ndim(k, ndim, "k", doc_kv)
-    A.check_ndim(v, ndim, "v", doc_kv)
-    is_fp8 = fp8 and q.dtype in (FP8_E4M3.numpy, UINT8_E4M3.numpy)
-    if is_fp8:
-        dtype = FP8_E4M3
-    elif fp8 and q.dtype not in (np.float16, BY_SHORT["bf16"].numpy):
-        raise TypeError(f"q: dtype {q.dtype} is not supported; expected float16, "
-                        "ml_dtypes.bfloat16 or ml_dtypes.float8_e4m3fn (or uint8 bytes "
-                        "holding e4m3 values)")
-    else:
-        dtype = activation_dtype(q.dtype, "q")
-    for name, x in (("k", k), ("v", v)):
-        if x.dtype != q.dtype:
-            raise TypeError(f"{name}: expected dtype {q.dtype} like q (no mixing of fp8 and "
-                            f"16-bit inputs), got {x.dtype}" if fp8 else
-                            f"{name}: expected dtype {q.dtype}, got {x.dtype}")
-    head_dim = q.shape[-1]
-    unit = 16 if is_fp8 else 8
-    if head_dim % unit or not unit <= head_dim <= MAX_HEAD_DIM:
-        raise ValueError(f"q: head dim {head_dim} is not supported; expected a multiple of "
-                         f"{unit} from {unit} to {MAX_HEAD_DIM}" +
-                         (" (float8_e4m3fn: 16-byte rows)" if is_fp8 else ""))
-    if k.shape != v.shape:
-        raise ValueError(f"v: expected the shape of k {tuple(k.shape)} {doc_kv}, "
-                         f"got {tuple(v.shape)}")
-    if k.shape[-1] != head_dim:
-        raise ValueError(f"k: head dim {k.shape[-1]} differs from q's {head_dim}")
-    nheads, nheads_kv = q.shape[-2], k.shape[-2]
-    if nheads < 1:
-        raise ValueError(f"q: expected at least one head {doc_q}, got shape {tuple(q.shape)}")
-    if nheads_kv < 1 or nheads % nheads_kv:
-        raise ValueError(f"k: nheads_kv = {nheads_kv} must divide nheads = {nheads} "
-                         "(query head h reads kv head h // (nheads // nheads_kv))")
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        A.check_last_dim_contiguous(x, name)
-        A.check_aligned(x, 16, name)
-    A.check_same_device({"k": k, "v": v}, q.device.id)
-    return dtype
-
-
-def _check_options(causal, softmax_scale, window_size, num_splits, return_lse, head_dim):
-    if not isinstance(causal, (bool, np.bool_)):
-        raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
-    softmax_scale = A.check_softmax_scale(softmax_scale, head_dim)
-    left, right = A.check_window(window_size)
-    if isinstance(num_splits, bool) or not isinstance(num_splits, (int, np.integer)):
-        raise TypeError(f"num_splits: expected an int, got {type(num_splits).__name__}")
-    if num_splits < 0:
-        raise ValueError(f"num_splits: expected 0 (automatic) or >= 1, got {num_splits}")
-    if causal:
-        right = 0      # causal = window (left, 0)
-    return softmax_scale, left, right, int(num_splits), bool(return_lse)
-
-
-def _check_cu_seqlens(x, name, batch_plus_1=None):
-    A.check_ndim(x, 1, name, "(batch + 1,)")
-    A.check_dtype(x, np.int32, name)
-    if x.shape[0] < 1:
-        raise ValueError(f"{name}: expected at least one entry (batch + 1,), got shape {x.shape}")
-    if batch_plus_1 is not None and x.shape[0] != batch_plus_1:
-        raise ValueError(f"{name}: expected shape ({batch_plus_1},) like cu_seqlens_q, "
-                         f"got {tuple(x.shape)}")
-    if x.strides[0] != 4:
-        raise ValueError(f"{name}: must be contiguous, got strides {x.strides}")
-    A.check_aligned(x, 4, name)
-
-
-def check_fixed_lengths(q, k) -> int:
-    """The fixed-length calls' batch and sequence lengths (q and k 4-d); -> seqlen_k."""
-    batch, sq = q.shape[0], q.shape[1]
-    if k.shape[0] != batch:
-        raise ValueError(f"k: batch {k.shape[0]} differs from q's {batch}")
-    sk = k.shape[1]
-    if max(sq, sk) >= _MAX_SEQLEN or batch * sq > _INT32_MAX:
-        raise ValueError(f"q: sequence lengths ({sq}, {sk}) must be < 2**29 and batch x "
-                         "seqlen_q must fit in int32")
-    return sk
-
-
-def check_max_seqlens(max_seqlen_q, max_seqlen_k) -> tuple[int, int]:
-    """The varlen calls' bounds: ints, 0 <= n < 2**29."""
-    for name, val in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
-        if isinstance(val, bool) or not isinstance(val, (int, np.integer)):
-            raise TypeError(f"{name}: expected an int, got {type(val).__name__}")
-        if val < 0 or val >= _MAX_SEQLEN:
-            raise ValueError(f"{name}: expected 0 <= {name} < 2**29, got {val}")
-    return int(max_seqlen_q), int(max_seqlen_k)
-
-
-def _dtype_or_none(x):
-    """np.dtype(x), or None for what names no dtype."""
-    try:
-        return np.dtype(x)
-    except TypeError:
-        return None
-
-
-def _check_fp8(dtype, out_dtype, descales, batch: int, nheads_kv: int, device_id: int,
-               qkv) -> tuple:
-    """An FP8 call's output dtype, descale fields and arguments (16-bit calls: their own
-    dtype, no descale); every bad option a ValueError / TypeError naming it."""
-    fp8 = dtype is FP8_E4M3
-    fields = {}
-    if not fp8:
-        for name, d in zip(_DESCALES, descales):
-            if d is not None:
-                raise ValueError(f"{name}: only for float8_e4m3fn q / k / v, got {dtype.numpy}")
-        if out_dtype is not None and _dtype_or_none(out_dtype) != dtype.numpy:
-            raise ValueError(f"out_dtype: a {dtype.numpy} call writes {dtype.numpy}, got "
-                             f"{out_dtype!r}")
-        return dtype, fields
-    try:
-        out = BY_SHORT["bf16"] if out_dtype is None else activation_dtype(out_dtype, "out_dtype")
-    except TypeError:
-        raise ValueError(f"out_dtype: an FP8 call writes float16 or ml_dtypes.bfloat16, got "
-                         f"{out_dtype}") from None
-    for name, d in zip(_DESCALES, descales):
-        stride = (0, 0)
-        if d is not None:
-            A.check_ndim(d, 2, name, "(batch, nheads_kv)")
-            A.check_shape(d, (batch, nheads_kv), name, "(batch, nheads_kv)")
-            A.check_dtype(d, np.float32, name)
-            A.check_same_device({name: d}, device_id)
-            A.check_aligned(d, 4, name)
-            stride = A.element_strides(d)
-        fields[f"{name}_stride_batch"], fields[f"{name}_stride_head"] = stride
-    device = device_info(device_id)
-    if device.arch != tuning.SM90_ARCH:
-        raise ValueError(f"q: float8_e4m3fn inputs run on Hopper (sm_90) GPUs only; this "
-                         f"device is {device.arch}")
-    for name, x in zip(("q", "k", "v"), qkv):   # (the driver's own check: _plan's encodable)
-        if x.size and not _tma.fits(x):
-            raise ValueError(f"{name}: float8_e4m3fn inputs are loaded by TMA, which needs "
-                             f"positive strides, multiples of 16 bytes, below 2**40; got "
-                             f"{x.strides}")
-    return out, fields
-
-
 def _fixed_plan(arrays, causal, softmax_scale, window_size, softcap, return_lse,
                 num_splits, out_dtype) -> Plan:
-    q, k, v, alibi_slopes, sinks, q_descale, k_descale, v_descale, out = arrays
+    q, k, v = arrays[:3]
     doc_q = "(batch, seqlen_q, nheads, headdim)"
-    doc_kv = "(batch, seqlen_k, nheads_kv, headdim)"
-    dtype = _check_qkv(q, k, v, 4, doc_q, doc_kv, fp8=True)
-    batch, sq, nheads, head_dim = q.shape
+    dtype = check_qkv(q, k, v, 4, doc_q, "(batch, seqlen_k, nheads_kv, headdim)", fp8=True)
+    batch, sq, nheads, _ = q.shape
     sk = check_fixed_lengths(q, k)
-    softmax_scale, left, right, num_splits, return_lse = _check_options(
-        causal, softmax_scale, window_size, num_splits, return_lse, head_dim)
-    device_id = q.device.id
-    features, softcap = check_hooks(softcap, alibi_slopes, sinks, nheads, device_id, batch)
-    out_type, fp8_fields = _check_fp8(dtype, out_dtype, (q_descale, k_descale, v_descale),
-                                      batch, k.shape[-2], device_id, (q, k, v))
-    if out is not None:
-        A.check_output(out, q.shape, out_type.numpy, "out", doc_q, device_id, align=16)
-    os_ = A.element_strides_or_contiguous(out, q.shape)
-    qs, ks, vs = (A.element_strides(x) for x in (q, k, v))
-    lse_shape = (batch, nheads, sq)
-    ls = A.element_strides_or_contiguous(None, lse_shape) if return_lse else (0, 0, 0)
-    fields = dict(
-        q_stride_batch=qs[0], q_stride_row=qs[1], q_stride_head=qs[2],
-        k_stride_batch=ks[0], k_stride_row=ks[1], k_stride_head=ks[2],
-        v_stride_batch=vs[0], v_stride_row=vs[1], v_stride_head=vs[2],
-        o_stride_batch=os_[0], o_stride_row=os_[1], o_stride_head=os_[2],
-        lse_stride_batch=ls[0], lse_stride_head=ls[1], lse_stride_row=ls[2],
-        seqlen_q=sq, seqlen_k=sk, alibi_stride_batch=alibi_stride(alibi_slopes), **fp8_fields)
-    return _plan(Call(
-        device_id=device_id, dtype=dtype, q=q, nheads_kv=k.shape[-2], out=out,
-        lse_shape=lse_shape if return_lse else None, num_args=9, out_arg=8,
-        args=dict(q=0, k=1, v=2, alibi_slopes=3, sinks=4, q_descale=5, k_descale=6,
-                  v_descale=7), out_dtype=out_type,
-        softmax_scale=softmax_scale, left=left, right=right, num_splits=num_splits,
-        features=features, softcap=softcap, batch=batch, max_sq=sq, max_sk=sk,
-        total_q=batch * sq, fields=fields, qkv=(q, k, v)))
+    return _checked_plan(
+        arrays, _FIXED_NAMES, dtype, doc_q, causal=causal, softmax_scale=softmax_scale,
+        window_size=window_size, softcap=softcap, return_lse=return_lse,
+        num_splits=num_splits, out_dtype=out_dtype, batch=batch, max_sq=sq, max_sk=sk,
+        total_q=batch * sq, lse_shape=(batch, nheads, sq), seqlen_q=sq, seqlen_k=sk)
 
 
 def _varlen_plan(arrays, max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_size,
                  softcap, return_lse, num_splits, out_dtype) -> Plan:
-    q, k, v, cu_q, cu_k, alibi_slopes, sinks, q_descale, k_descale, v_descale, out = arrays
+    q, k, v, cu_q, cu_k = arrays[:5]
     doc_q = "(total_q, nheads, headdim)"
-    doc_kv = "(total_k, nheads_kv, headdim)"
-    dtype = _check_qkv(q, k, v, 3, doc_q, doc_kv, fp8=True)
-    total_q, nheads, head_dim = q.shape
-    _check_cu_seqlens(cu_q, "cu_seqlens_q")
-    _check_cu_seqlens(cu_k, "cu_seqlens_k", cu_q.shape[0])
-    batch = cu_q.shape[0] - 1
+    dtype = check_qkv(q, k, v, 3, doc_q, "(total_k, nheads_kv, headdim)", fp8=True)
+    total_q, nheads, _ = q.shape
+    check_cu_seqlens(cu_q, "cu_seqlens_q")
+    check_cu_seqlens(cu_k, "cu_seqlens_k", cu_q.shape[0])
     max_seqlen_q, max_seqlen_k = check_max_seqlens(max_seqlen_q, max_seqlen_k)
-    if total_q > _INT32_MAX or k.shape[0] > _INT32_MAX:
+    if total_q > INT32_MAX or k.shape[0] > INT32_MAX:
         raise ValueError(f"q: total_q {total_q} must fit in int32")
-    softmax_scale, left, right, num_splits, return_lse = _check_options(
-        causal, softmax_scale, window_size, num_splits, return_lse, head_dim)
+    # Rows never covered by a sequence (past cu_seqlens_q[-1]) are not written.
+    return _checked_plan(
+        arrays, _VARLEN_NAMES, dtype, doc_q, causal=causal, softmax_scale=softmax_scale,
+        window_size=window_size, softcap=softcap, return_lse=return_lse,
+        num_splits=num_splits, out_dtype=out_dtype, batch=cu_q.shape[0] - 1,
+        max_sq=max_seqlen_q, max_sk=max_seqlen_k, total_q=total_q,
+        lse_shape=(nheads, total_q), seqlen_q=max(total_q, 1), seqlen_k=0)
+
+
+def _checked_plan(arrays, names: tuple, dtype, doc_q: str, *, causal, softmax_scale,
+                  window_size, softcap, return_lse, num_splits, out_dtype, batch: int,
+                  max_sq: int, max_sk: int, total_q: int, lse_shape: tuple, seqlen_q: int,
+                  seqlen_k: int) -> Plan:
+    """What the fixed and the varlen forward check alike once their shapes passed (options,
+    the cu_seqlens' device, hooks, FP8, out), then their plan. A fixed call's arrays are
+    (batch, row, head)-strided, a varlen call's (row, head): its batch strides are 0."""
+    a = dict(zip(names, arrays))
+    q, k, v, out = a["q"], a["k"], a["v"], a["out"]
+    nheads = q.shape[-2]
+    softmax_scale, left, right, num_splits, return_lse = check_options(
+        causal, softmax_scale, window_size, num_splits, return_lse, q.shape[-1])
     device_id = q.device.id
-    A.check_same_device({"cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k}, device_id)
-    features, softcap = check_hooks(softcap, alibi_slopes, sinks, nheads, device_id, batch)
-    out_type, fp8_fields = _check_fp8(dtype, out_dtype, (q_descale, k_descale, v_descale),
-                                      batch, k.shape[-2], device_id, (q, k, v))
+    A.check_same_device({n: a[n] for n in ("cu_seqlens_q", "cu_seqlens_k") if n in a},
+                        device_id)
+    features, softcap = check_hooks(softcap, a["alibi_slopes"], a["sinks"], nheads, device_id,
+                                    batch)
+    out_type, fp8_fields = check_fp8(dtype, out_dtype, tuple(a[n] for n in DESCALES), batch,
+                                     k.shape[-2], device_id, (q, k, v))
     if out is not None:
         A.check_output(out, q.shape, out_type.numpy, "out", doc_q, device_id, align=16)
-    os_ = A.element_strides_or_contiguous(out, q.shape)
-    qs, ks, vs = (A.element_strides(x) for x in (q, k, v))
-    lse_shape = (nheads, total_q)
-    ls = A.element_strides_or_contiguous(None, lse_shape) if return_lse else (0, 0)
-    fields = dict(
-        q_stride_batch=0, q_stride_row=qs[0], q_stride_head=qs[1],
-        k_stride_batch=0, k_stride_row=ks[0], k_stride_head=ks[1],
-        v_stride_batch=0, v_stride_row=vs[0], v_stride_head=vs[1],
-        o_stride_batch=0, o_stride_row=os_[0], o_stride_head=os_[1],
-        lse_stride_batch=0, lse_stride_head=ls[0], lse_stride_row=ls[1],
-        seqlen_q=max(total_q, 1), seqlen_k=0, alibi_stride_batch=alibi_stride(alibi_slopes),
-        **fp8_fields)
-    # Rows never covered by a sequence (past cu_seqlens_q[-1]) are not written.
+
+    def strides(x, shape=None) -> tuple:   # (batch, row, head) / lse's (batch, head, row)
+        s = A.element_strides(x) if shape is None else \
+            A.element_strides_or_contiguous(x, shape)
+        return (0,) * (3 - len(s)) + tuple(s)
+    fields = {f"{n}_stride_{d}": s for n, x in (("q", q), ("k", k), ("v", v))
+              for d, s in zip(("batch", "row", "head"), strides(x))}
+    fields.update(zip(("o_stride_batch", "o_stride_row", "o_stride_head"),
+                      strides(out, q.shape)))
+    fields.update(zip(("lse_stride_batch", "lse_stride_head", "lse_stride_row"),
+                      strides(None, lse_shape) if return_lse else (0, 0, 0)))
+    fields.update(seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+                  alibi_stride_batch=alibi_stride(a["alibi_slopes"]), **fp8_fields)
     return _plan(Call(
         device_id=device_id, dtype=dtype, q=q, nheads_kv=k.shape[-2], out=out,
-        lse_shape=lse_shape if return_lse else None, num_args=11, out_arg=10,
-        args=dict(q=0, k=1, v=2, cu_seqlens_q=3, cu_seqlens_k=4, alibi_slopes=5, sinks=6,
-                  q_descale=7, k_descale=8, v_descale=9), out_dtype=out_type,
-        softmax_scale=softmax_scale, left=left, right=right,
+        lse_shape=lse_shape if return_lse else None, num_args=len(names),
+        out_arg=len(names) - 1, args={n: i for i, n in enumerate(names[:-1])},
+        out_dtype=out_type, softmax_scale=softmax_scale, left=left, right=right,
         num_splits=num_splits, features=features, softcap=softcap, batch=batch,
-        max_sq=max_seqlen_q, max_sk=max_seqlen_k, total_q=total_q, fields=fields,
-        qkv=(q, k, v)))
+        max_sq=max_sq, max_sk=max_sk, total_q=total_q, fields=fields, qkv=(q, k, v)))
 
 
 # ---- the plan -------------------------------------------------------------------------------
@@ -385,9 +233,9 @@ def _plan(c: Call) -> Plan:
     nheads, head_dim = c.q.shape[-2], c.q.shape[-1]
     mask, window_left, window_right = _mask_and_bounds(c.left, c.right, c.max_sq, c.max_sk)
     grid_y = nheads // c.pack
-    if c.batch > _MAX_GRID_YZ or grid_y > _MAX_GRID_YZ:
+    if c.batch > MAX_GRID_YZ or grid_y > MAX_GRID_YZ:
         heads = f"nheads {nheads}" if c.pack == 1 else f"nheads_kv {grid_y}"
-        raise ValueError(f"q: batch {c.batch} and {heads} must each be <= {_MAX_GRID_YZ} "
+        raise ValueError(f"q: batch {c.batch} and {heads} must each be <= {MAX_GRID_YZ} "
                          "(grid dimensions)")
     out_type = c.out_dtype or c.dtype
     fp8 = c.dtype is FP8_E4M3
@@ -419,7 +267,7 @@ def _plan(c: Call) -> Plan:
     if m_blocks == 0 or c.batch == 0:
         return Plan(**common)
     if fp8 and not tma and c.variant_for is None:
-        # (_check_fp8 refused bad strides; left: an empty k / v, or the driver)
+        # (check_fp8 refused bad strides; left: an empty k / v, or the driver)
         raise ValueError("k: float8_e4m3fn inputs are loaded by TMA, and the driver takes no "
                          "tensor map of these arrays (an empty k / v among them: seqlen_k = 0 "
                          "is not supported on the FP8 path)")
@@ -432,7 +280,7 @@ def _plan(c: Call) -> Plan:
                             65536 // (255 * base.num_threads)))
         num_splits = tuning.flash_num_splits(c.batch * grid_y * m_blocks, n_key_tiles,
                                              device.sm_count, per_sm)
-    num_splits = max(1, min(num_splits, max(n_key_tiles, 1), _MAX_GRID_YZ // c.batch))
+    num_splits = max(1, min(num_splits, max(n_key_tiles, 1), MAX_GRID_YZ // c.batch))
     split = num_splits > 1
     variant = base
     scratch, scratch_bytes = (), 0
@@ -476,7 +324,7 @@ def _plan(c: Call) -> Plan:
     fields = dict(k_stride_block=0, v_stride_block=0, k_stride_chunk=8, v_stride_dim=0,
                   bt_stride_seq=0, block_shift=0, max_blocks_per_seq=0, new_keys=0, v_scale=1.0,
                   k_scales_stride=0, v_scales_stride=0, alibi_stride_batch=0,
-                  **{f"{n}_stride_{d}": 0 for n in _DESCALES for d in ("batch", "head")})
+                  **{f"{n}_stride_{d}": 0 for n in DESCALES for d in ("batch", "head")})
     fields.update(c.fields)
     tail = FLASH_PARAMS.tail(
         batch=c.batch, num_heads=nheads, head_group=nheads // c.nheads_kv, total_q=c.total_q,

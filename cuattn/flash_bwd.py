@@ -16,10 +16,12 @@ from . import _arrays as A
 from . import tuning_bwd
 from ._hooks import alibi_stride, check_hooks, hook_fields
 from ._launch import NULL, Launch, Plan, execute, on_device, plan_cache, plan_for, returns
-from .flash import _INT32_MAX, _MAX_GRID_YZ, _check_cu_seqlens, _check_options, _check_qkv, \
-    _mask_and_bounds, check_fixed_lengths, check_max_seqlens
+from ._checks import (INT32_MAX, MAX_GRID_YZ, check_cu_seqlens, check_fixed_lengths,
+                      check_max_seqlens, check_options, check_qkv)
+from .flash import _mask_and_bounds
 from .jit import device_info, get_kernel
-from .variants import FEAT_SINKS, FLASH_BWD_PARAMS, MASK_CAUSAL
+from .constants import FEAT_SINKS, MASK_CAUSAL
+from .param_structs import FLASH_BWD_PARAMS
 
 _plans = plan_cache()
 _FIXED_NAMES = ("dout", "q", "k", "v", "out", "lse", "alibi_slopes", "sinks", "dq", "dk", "dv")
@@ -84,12 +86,12 @@ def _common_checks(arrays, ndim, doc_q, doc_kv, lse_shape, lse_doc, causal, soft
                    window_size, softcap, deterministic):
     """The checks flash_backward and flash_varlen_backward share; -> what _plan needs."""
     dout, q, k, v, out, lse = arrays[:6]
-    dtype = _check_qkv(q, k, v, ndim, doc_q, doc_kv)
+    dtype = check_qkv(q, k, v, ndim, doc_q, doc_kv)
     device_id = q.device.id
     for name, x in (("out", out), ("dout", dout)):     # like q, read in 16-byte vectors
         A.check_output(x, q.shape, q.dtype, name, doc_q, device_id, align=16)
     _check_lse(lse, lse_shape, lse_doc)
-    softmax_scale, left, right, _, _ = _check_options(causal, softmax_scale, window_size, 0,
+    softmax_scale, left, right, _, _ = check_options(causal, softmax_scale, window_size, 0,
                                                       False, q.shape[-1])
     deterministic = _check_deterministic(deterministic)
     A.check_same_device({"lse": lse}, device_id)
@@ -133,10 +135,10 @@ def _varlen_plan(arrays, max_seqlen_q, max_seqlen_k, causal, softmax_scale, wind
     dtype, softmax_scale, left, right, deterministic, device_id = _common_checks(
         (dout, q, k, v, out, lse), 3, doc_q, doc_kv, (nheads, total_q), "(nheads, total_q)",
         causal, softmax_scale, window_size, softcap, deterministic)
-    _check_cu_seqlens(cu_q, "cu_seqlens_q")
-    _check_cu_seqlens(cu_k, "cu_seqlens_k", cu_q.shape[0])
+    check_cu_seqlens(cu_q, "cu_seqlens_q")
+    check_cu_seqlens(cu_k, "cu_seqlens_k", cu_q.shape[0])
     max_seqlen_q, max_seqlen_k = check_max_seqlens(max_seqlen_q, max_seqlen_k)
-    if total_q > _INT32_MAX or k.shape[0] > _INT32_MAX:
+    if total_q > INT32_MAX or k.shape[0] > INT32_MAX:
         raise ValueError(f"q: total_q {total_q} must fit in int32")
     A.check_same_device({"cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k}, device_id)
     features, softcap = check_hooks(softcap, alibi_slopes, sinks, nheads, device_id,
@@ -181,9 +183,9 @@ def _plan(*, device_id, dtype, q, k, grads, batch, max_sq, max_sk, total_q, varl
     """Kernels, grids, outputs and workspace of a checked call."""
     nheads, head_dim = q.shape[-2], q.shape[-1]
     nheads_kv = k.shape[-2]
-    if batch > _MAX_GRID_YZ or nheads_kv > _MAX_GRID_YZ:
+    if batch > MAX_GRID_YZ or nheads_kv > MAX_GRID_YZ:
         raise ValueError(f"q: batch {batch} and nheads_kv {nheads_kv} must each be <= "
-                         f"{_MAX_GRID_YZ} (grid dimensions)")
+                         f"{MAX_GRID_YZ} (grid dimensions)")
     mask, window_left, window_right = _mask_and_bounds(left, right, max_sq, max_sk)
     arg = {n: i for i, n in enumerate(names)}
     sinks = bool(features & FEAT_SINKS)

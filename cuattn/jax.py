@@ -34,6 +34,7 @@ import numpy as np
 import cuattn
 
 from . import _arrays as A
+from ._checks import DESCALES, check_descale_arrays, check_head_dim, check_input_dtypes
 from ._hooks import check_softcap
 from ._interop import copy_async, device_view, external_stream
 
@@ -45,7 +46,6 @@ __all__ = ["flash_attention", "flash_attention_varlen"]
 _COMMAND_BUFFER = True
 _DLPACK_CUDA = 2   # kDLCUDA
 _FP8 = jnp.float8_e4m3fn
-_DESCALES = ("q_descale", "k_descale", "v_descale")
 
 
 def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1),
@@ -224,7 +224,7 @@ def _run_forward(spec, ctx, outputs, q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_
     def work():
         for (out, lse, q, k, v, cu_q, cu_k, alibi, sink,
              *descales) in _calls(spec, arrays, fold=True):
-            fp8 = dict(zip(_DESCALES, descales))
+            fp8 = dict(zip(DESCALES, descales))
             if spec.varlen:
                 _, lse_new = cuattn.flash_varlen_forward(
                     q, k, v, cu_q, cu_k, spec.max_seqlen_q, spec.max_seqlen_k, **options,
@@ -369,20 +369,11 @@ def _check_qkv(q, k, v, ndim: int, doc_q: str, doc_kv: str) -> None:
             raise TypeError(f"{name}: expected a jax.Array, got {type(x).__name__}")
         if len(x.shape) != ndim:
             raise ValueError(f"{name}: expected {ndim} dimensions {doc}, got shape {x.shape}")
-    if q.dtype not in (jnp.float16, jnp.bfloat16, _FP8):
-        raise TypeError(f"q: expected dtype float16, bfloat16 or float8_e4m3fn, got {q.dtype}")
-    for name, x in (("k", k), ("v", v)):
-        if x.dtype != q.dtype:
-            raise TypeError(f"{name}: expected q's dtype {q.dtype} (no mixing of FP8 and "
-                            f"16-bit inputs), got {x.dtype}")
+    check_input_dtypes(q, k, v, (jnp.float16, jnp.bfloat16, _FP8))
     if k.shape != v.shape:
         raise ValueError(f"v: expected the shape of k {k.shape}, got {v.shape}")
     head_dim, nheads, nheads_kv = q.shape[-1], q.shape[-2], k.shape[-2]
-    unit = 16 if q.dtype == _FP8 else 8       # FP8: rows of whole 16-byte vectors
-    if head_dim % unit or not unit <= head_dim <= 256:
-        raise ValueError(f"q: head dim {head_dim} is not supported; expected a multiple of "
-                         f"{unit} from {unit} to 256" +
-                         (" (float8_e4m3fn: 16-byte rows)" if unit == 16 else ""))
+    check_head_dim(head_dim, q.dtype == _FP8)
     if k.shape[-1] != head_dim:
         raise ValueError(f"k: head dim {k.shape[-1]} differs from q's {head_dim}")
     if nheads < 1 or nheads_kv < 1 or nheads % nheads_kv:
@@ -405,17 +396,12 @@ def _check_head_vectors(alibi_slopes, sinks, nheads: int, batch: int) -> None:
 
 def _check_descales(dtype, descales, batch: int, nheads_kv: int) -> None:
     """FlashAttention-3's descales: FP8 calls only, float32 arrays (batch, nheads_kv)."""
-    for name, d in zip(_DESCALES, descales):
-        if d is None:
-            continue
-        if dtype != _FP8:
-            raise ValueError(f"{name}: only for float8_e4m3fn q / k / v, got {dtype}")
-        if not hasattr(d, "dtype") or d.dtype != jnp.float32:
-            raise TypeError(f"{name}: expected a float32 jax.Array of shape (batch, nheads_kv), "
-                            f"got {getattr(d, 'dtype', type(d).__name__)}")
-        if tuple(d.shape) != (batch, nheads_kv):
-            raise ValueError(f"{name}: expected shape {(batch, nheads_kv)} (batch, nheads_kv), "
-                             f"got {tuple(d.shape)}")
+    check_descale_arrays(descales, dtype, dtype == _FP8, _is_float32, "jax.Array", batch,
+                         nheads_kv)
+
+
+def _is_float32(x) -> bool:
+    return hasattr(x, "dtype") and x.dtype == jnp.float32
 
 
 def _spec(varlen, q, causal, softmax_scale, window_size, softcap, deterministic,

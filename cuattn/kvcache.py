@@ -24,12 +24,12 @@ from . import tuning
 from ._dtypes import activation_dtype
 from ._hooks import alibi_stride, check_hooks
 from ._launch import NULL, Launch, Plan, execute, on_device, plan_cache, plan_for
-from .flash import _INT32_MAX, _MAX_GRID_YZ, _check_options
+from ._checks import INT32_MAX, MAX_GRID_YZ, check_options
 from .jit import get_kernel
 from .paged import scales
 from .paged.layout import MAX_FLASH_CONTEXT, CacheInfo
-from .paged.prefill import flash_form_plan
-from .variants import KVCACHE_APPEND_PARAMS
+from .paged.prefill import PagedFlashCall, flash_form_plan
+from .param_structs import KVCACHE_APPEND_PARAMS
 
 _plans = plan_cache()
 # The arguments in the order of flash_form_plan's (q, k_cache, v_cache, block_tables,
@@ -161,9 +161,9 @@ def _plan(arrays, cache_len, own_table, causal, softmax_scale, window_size, soft
                          "from 8 to 256")
     if nheads == 0:
         raise ValueError(f"q: expected at least one head, got shape {tuple(q.shape)}")
-    if batch > _MAX_GRID_YZ:
-        raise ValueError(f"q: batch {batch} must be <= {_MAX_GRID_YZ} (grid dimensions)")
-    if batch * seqlen_q > _INT32_MAX:
+    if batch > MAX_GRID_YZ:
+        raise ValueError(f"q: batch {batch} must be <= {MAX_GRID_YZ} (grid dimensions)")
+    if batch * seqlen_q > INT32_MAX:
         raise ValueError(f"q: batch x seqlen_q = {batch * seqlen_q} must fit in int32")
     for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
         A.check_ndim(x, 4, name, _CACHE_DOC)
@@ -176,7 +176,7 @@ def _plan(arrays, cache_len, own_table, causal, softmax_scale, window_size, soft
         raise ValueError(f"k_cache: nheads_kv = {nheads_kv} must divide nheads = {nheads}")
     if not 0 < seqlen_cache < MAX_FLASH_CONTEXT // 2:
         raise ValueError(f"k_cache: seqlen_cache {seqlen_cache} must be in [1, 2**28)")
-    if batch_cache == 0 or batch_cache > _INT32_MAX:
+    if batch_cache == 0 or batch_cache > INT32_MAX:
         raise ValueError(f"k_cache: batch_cache {batch_cache} must be in [1, 2**31)")
     for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         A.check_last_dim_contiguous(x, name)
@@ -196,7 +196,7 @@ def _plan(arrays, cache_len, own_table, causal, softmax_scale, window_size, soft
     if seqlen_new > seqlen_cache:
         raise ValueError(f"k: seqlen_new {seqlen_new} is longer than the cache's rows "
                          f"(seqlen_cache {seqlen_cache})")
-    softmax_scale, left, right, num_splits, return_lse = _check_options(
+    softmax_scale, left, right, num_splits, return_lse = check_options(
         causal, softmax_scale, window_size, num_splits, return_lse, head_size)
     features, softcap = check_hooks(softcap, alibi_slopes, sinks, nheads, device_id, batch)
     if out is not None:
@@ -207,14 +207,14 @@ def _plan(arrays, cache_len, own_table, causal, softmax_scale, window_size, soft
         return None
     block_size = 1 << (seqlen_cache - 1).bit_length()
     info = CacheInfo(dtype.short, nheads_kv, head_size, block_size, 16, "nhd")
-    plan = flash_form_plan(
+    plan = flash_form_plan(PagedFlashCall(
         q3, k_cache, v_cache, table.reshape(batch, 1), info, "nhd", dtype=dtype,
         features=features, softcap=softcap, softmax_scale=softmax_scale, left=left,
         right=right, num_splits=num_splits, k_scale=scales.NONE, v_scale=scales.NONE, out=out3,
-        return_lse=return_lse, num_args=len(arrays), max_seqlen_q=seqlen_q, causal=causal,
+        return_lse=return_lse, num_args=len(arrays), max_seqlen_q=seqlen_q,
         capacity=seqlen_cache, new_keys=cache_len + seqlen_new,
         alibi_stride=alibi_stride(alibi_slopes),
-        hopper_ok=seqlen_q >= _HOPPER_MIN_SEQLEN_Q and seqlen_cache >= _HOPPER_MIN_SEQLEN_CACHE)
+        hopper_ok=seqlen_q >= _HOPPER_MIN_SEQLEN_Q and seqlen_cache >= _HOPPER_MIN_SEQLEN_CACHE))
     if not seqlen_new or batch == 0:
         return plan
     return _with_append(plan, arrays, dtype, cache_len, seqlen_new)
@@ -238,7 +238,7 @@ def _check_new(k, v, batch, nheads_kv, head_size, dtype, device_id) -> int:
         A.check_aligned(x, 16, name)
     A.check_shape(v, k.shape, "v", _NEW_DOC)
     A.check_same_device({"k": k, "v": v}, device_id)
-    if k.shape[1] > _INT32_MAX:
+    if k.shape[1] > INT32_MAX:
         raise ValueError(f"k: seqlen_new {k.shape[1]} must fit in int32")
     return k.shape[1]
 

@@ -13,7 +13,7 @@ from . import tuning
 from ._dtypes import activation_dtype
 from ._launch import NULL, Launch, Plan, execute, on_device, plan_cache, plan_for, returns
 from .jit import get_kernel
-from .variants import MERGE_PARAMS
+from .param_structs import MERGE_PARAMS
 
 MAX_HEAD_SIZE = 512
 _pair_plans = plan_cache()

@@ -31,6 +31,7 @@ import numpy as np
 import cuattn
 
 from . import _arrays as A
+from ._checks import DESCALES, check_descale_arrays, check_input_dtypes
 from ._hooks import check_softcap
 from ._interop import copy_async, device_view, external_stream
 
@@ -41,7 +42,6 @@ FP8 = torch.float8_e4m3fn
 _DTYPES = {torch.float16: np.dtype(np.float16), torch.bfloat16: np.dtype(ml_dtypes.bfloat16),
            FP8: np.dtype(ml_dtypes.float8_e4m3fn), torch.float32: np.dtype(np.float32),
            torch.int32: np.dtype(np.int32)}
-_DESCALES = ("q_descale", "k_descale", "v_descale")
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
@@ -65,7 +65,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     _check_dtypes(q, k, v, alibi_slopes, 4, "(batch, seqlen_k, nheads_kv, headdim)")
     descales = (q_descale, k_descale, v_descale)
     _check_descales(q, descales, q.shape[0], k.shape[-2])
-    q, k, v = _on_cuda(q=q, k=k, v=v, **dict(zip(_DESCALES, descales)))
+    q, k, v = _on_cuda(q=q, k=k, v=v, **dict(zip(DESCALES, descales)))
     out, lse = torch.ops.cuattn.flash_fwd(q, k, v, alibi_slopes, *options, *descales)
     return (out, lse, None) if return_attn_probs else out
 
@@ -94,7 +94,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     descales = (q_descale, k_descale, v_descale)
     _check_descales(q, descales, cu_seqlens_q.shape[0] - 1, k.shape[-2])
     q, k, v = _on_cuda(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                       **dict(zip(_DESCALES, descales)))
+                       **dict(zip(DESCALES, descales)))
     out, lse = torch.ops.cuattn.flash_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k,
                                                  max_seqlen_q, max_seqlen_k, alibi_slopes,
                                                  *options, *descales)
@@ -132,12 +132,7 @@ def _check_dtypes(q, k, v, alibi_slopes, ndim: int, doc_kv: str) -> None:
         if x.dim() != ndim:
             raise ValueError(f"{name}: expected {ndim} dimensions {doc_kv}, got shape "
                              f"{tuple(x.shape)}")
-    if q.dtype not in (torch.float16, torch.bfloat16, FP8):
-        raise TypeError(f"q: expected dtype float16, bfloat16 or float8_e4m3fn, got {q.dtype}")
-    for name, x in (("k", k), ("v", v)):
-        if x.dtype != q.dtype:
-            raise TypeError(f"{name}: expected q's dtype {q.dtype} (no mixing of FP8 and "
-                            f"16-bit inputs), got {x.dtype}")
+    check_input_dtypes(q, k, v, (torch.float16, torch.bfloat16, FP8))
     if alibi_slopes is not None and (not isinstance(alibi_slopes, Tensor)
                                      or alibi_slopes.dtype != torch.float32):
         raise TypeError(f"alibi_slopes: expected a float32 CUDA tensor of shape (nheads,), "
@@ -146,17 +141,12 @@ def _check_dtypes(q, k, v, alibi_slopes, ndim: int, doc_kv: str) -> None:
 
 def _check_descales(q, descales, batch: int, nheads_kv: int) -> None:
     """FlashAttention-3's descales: FP8 calls only, float32 tensors (batch, nheads_kv)."""
-    for name, d in zip(_DESCALES, descales):
-        if d is None:
-            continue
-        if q.dtype != FP8:
-            raise ValueError(f"{name}: only for float8_e4m3fn q / k / v, got {q.dtype}")
-        if not isinstance(d, Tensor) or d.dtype != torch.float32:
-            raise TypeError(f"{name}: expected a float32 CUDA tensor of shape (batch, "
-                            f"nheads_kv), got {getattr(d, 'dtype', type(d).__name__)}")
-        if tuple(d.shape) != (batch, nheads_kv):
-            raise ValueError(f"{name}: expected shape {(batch, nheads_kv)} (batch, "
-                             f"nheads_kv), got {tuple(d.shape)}")
+    check_descale_arrays(descales, q.dtype, q.dtype == FP8, _is_float32, "CUDA tensor", batch,
+                         nheads_kv)
+
+
+def _is_float32(x) -> bool:
+    return isinstance(x, Tensor) and x.dtype == torch.float32
 
 
 def _on_cuda(**tensors) -> tuple:
@@ -184,17 +174,11 @@ def _flash_fwd(q: Tensor, k: Tensor, v: Tensor, alibi_slopes: Optional[Tensor],
                softcap: float, deterministic: bool, q_descale: Optional[Tensor] = None,
                k_descale: Optional[Tensor] = None,
                v_descale: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
-    out = torch.empty_like(q, dtype=_out_dtype(q.dtype))
-    lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
-    with _on_torch_stream(q) as stream:
-        _, lse_new = cuattn.flash_forward(
-            _view(q), _view(k), _view(v), causal=causal, softmax_scale=softmax_scale,
-            window_size=(window_left, window_right), softcap=softcap,
-            alibi_slopes=_view(alibi_slopes), q_descale=_view(q_descale),
-            k_descale=_view(k_descale), v_descale=_view(v_descale), return_lse=True,
-            out=_view(out), stream=stream)
-        copy_async(_view(lse), lse_new, stream)
-    return out, lse
+    return _forward(cuattn.flash_forward, (q.shape[0], q.shape[2], q.shape[1]), q, k, v,
+                    causal=causal, softmax_scale=softmax_scale,
+                    window_size=(window_left, window_right), softcap=softcap,
+                    alibi_slopes=alibi_slopes, q_descale=q_descale, k_descale=k_descale,
+                    v_descale=v_descale)
 
 
 @torch.library.custom_op("cuattn::flash_varlen_fwd", mutates_args=(), device_types="cuda")
@@ -205,16 +189,23 @@ def _flash_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
                       deterministic: bool, q_descale: Optional[Tensor] = None,
                       k_descale: Optional[Tensor] = None,
                       v_descale: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    return _forward(cuattn.flash_varlen_forward, (q.shape[1], q.shape[0]), q, k, v,
+                    cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
+                    softmax_scale=softmax_scale, window_size=(window_left, window_right),
+                    softcap=softcap, alibi_slopes=alibi_slopes, q_descale=q_descale,
+                    k_descale=k_descale, v_descale=v_descale)
+
+
+def _forward(forward, lse_shape: tuple, q: Tensor, *args, **options) -> tuple[Tensor, Tensor]:
+    """A cuattn forward (flash_forward / flash_varlen_forward) into new out and lse tensors,
+    on torch's stream: tensors among ``args`` and ``options`` go as CuPy views, the rest
+    as they are."""
     out = torch.empty_like(q, dtype=_out_dtype(q.dtype))
-    lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+    lse = q.new_empty(lse_shape, dtype=torch.float32)
     with _on_torch_stream(q) as stream:
-        _, lse_new = cuattn.flash_varlen_forward(
-            _view(q), _view(k), _view(v), _view(cu_seqlens_q), _view(cu_seqlens_k),
-            max_seqlen_q, max_seqlen_k, causal=causal, softmax_scale=softmax_scale,
-            window_size=(window_left, window_right), softcap=softcap,
-            alibi_slopes=_view(alibi_slopes), q_descale=_view(q_descale),
-            k_descale=_view(k_descale), v_descale=_view(v_descale), return_lse=True,
-            out=_view(out), stream=stream)
+        _, lse_new = forward(_view(q), *map(_as_arg, args),
+                             **{n: _as_arg(x) for n, x in options.items()}, return_lse=True,
+                             out=_view(out), stream=stream)
         copy_async(_view(lse), lse_new, stream)
     return out, lse
 
@@ -328,6 +319,11 @@ torch.library.register_autograd("cuattn::flash_varlen_fwd", _backward,
 
 
 # ---- tensors, stream and memory ------------------------------------------------------------
+
+def _as_arg(x):
+    """A tensor as a CuPy view (_view); anything else (None, an int) as it is."""
+    return _view(x) if isinstance(x, Tensor) else x
+
 
 def _view(t: Optional[Tensor]):
     """A CuPy view of a CUDA tensor (no copy, no stream sync), or None."""

@@ -1,95 +1,29 @@
 """The one tuning table: every launch-shape choice of every kernel, with the measurement
 behind it, and one function per kernel that turns a problem and an architecture into a
-complete variant key (cuattn.variants). C++ receives the choice as its traits and derives
+complete variant key (cuattn.keys). C++ receives the choice as its traits and derives
 everything else.
 
-Sweeps and tests force a choice with ``override(...)``, a context manager, never by patching
-this module. ``SHIPPED`` lists, per op, every variant a default call with a shipped size
-reaches: what ``python -m cuattn precompile`` builds.
+Sweeps and tests force a choice with ``override(...)``, a context manager (cuattn._overrides
+holds what it forces), never by patching this module. The shipped set (what ``python -m
+cuattn precompile`` builds) is cuattn.shipped's.
 """
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
-from .variants import (FEAT_ALIBI, FEAT_PACK_GQA, FEAT_SOFTCAP, KV_DENSE,
-                       MASK_CAUSAL, MASK_NONE, MASK_WINDOW, SM90_ARCH,
-                       FlashCombineVariant, FlashFwdSm90Variant, FlashFwdVariant,
-                       FlashInferTablesVariant, KvCacheAppendVariant, MergeVariant,
-                       PagedMmaVariant, PagedReduceVariant, PagedSimtVariant,
-                       QuantizeE4m3Variant, ReshapeCacheVariant)
-
-# ---- overrides (sweeps and tests) ---------------------------------------------------------------
-
-_OVERRIDE_KEYS = {
-    "flash_tiles": "FlashTiles every flash forward kernel takes, masked or not",
-    "prefill_tiles": "FlashTiles of paged_prefill's kernel",
-    "paged_form": '"mma" or "simt": the paged decode form, wherever that form can run',
-    "paged_mma": "PagedMmaTiles of the tensor-core paged form",
-    "multi_token_group": "query heads per block of multi-token decode (a divisor of the GQA "
-                         "ratio)",
-    "prefill_form": '"decode" or "flash": paged_prefill\'s kernel, wherever that one can run',
-    "flash_path": '"wgmma" or "mma": the kernels of flash_forward / flash_varlen_forward and '
-                  "of their backward",
-    "flash_sm90_tiles": "FlashSm90Tiles of the Hopper forward kernel",
-    "flash_bwd_tiles": "FlashBwdTiles of the backward's mma.sync kernel (cuattn.tuning_bwd; "
-                       "implies that path)",
-    "flash_bwd_sm90_tiles": "FlashBwdSm90Tiles of the Hopper backward kernel (cuattn.tuning_bwd)",
-    "flash_bwd_lpt": "False: the backward's causal calls on the plain grid, not the causal "
-                     "schedule; a positive int: (KV head, batch) pairs per section of that "
-                     "schedule (cuattn.tuning_bwd.flash_bwd_lpt_group)",
-}
-_overrides: dict = {}
-
-
-@contextlib.contextmanager
-def override(**choices) -> Iterator[None]:
-    """Force tuning choices for the calls made inside the block (sweeps and tests).
-
-    Keys: flash_tiles (FlashTiles; implies the mma.sync path), prefill_tiles (FlashTiles),
-    paged_form ("mma" / "simt"), paged_mma (PagedMmaTiles), multi_token_group (int),
-    prefill_form ("decode" / "flash"), flash_path ("wgmma" / "mma"; forward and backward),
-    flash_sm90_tiles (FlashSm90Tiles), flash_bwd_tiles (cuattn.tuning_bwd.FlashBwdTiles;
-    implies the backward's mma.sync path), flash_bwd_sm90_tiles
-    (cuattn.tuning_bwd.FlashBwdSm90Tiles), flash_bwd_lpt (False: no causal schedule; an int:
-    pairs per section).
-    The launch plans cached so far are dropped on entry and on exit.
-    """
-    unknown = sorted(set(choices) - set(_OVERRIDE_KEYS))
-    if unknown:
-        raise TypeError(f"override: unknown choice(s) {unknown}; known: {sorted(_OVERRIDE_KEYS)}")
-    if choices.get("paged_form") not in (None, "mma", "simt"):
-        raise ValueError(f"override: paged_form is 'mma' or 'simt', got {choices['paged_form']!r}")
-    if choices.get("flash_path") not in (None, "wgmma", "mma"):
-        raise ValueError(f"override: flash_path is 'wgmma' or 'mma', got {choices['flash_path']!r}")
-    if choices.get("prefill_form") not in (None, "decode", "flash"):
-        raise ValueError("override: prefill_form is 'decode' or 'flash', got "
-                         f"{choices['prefill_form']!r}")
-    lpt = choices.get("flash_bwd_lpt")
-    if lpt is not None and lpt is not False and not (type(lpt) is int and lpt > 0):
-        raise ValueError(f"override: flash_bwd_lpt is False or a positive int, got {lpt!r}")
-    saved = dict(_overrides)
-    _overrides.update(choices)
-    _changed()
-    try:
-        yield
-    finally:
-        _overrides.clear()
-        _overrides.update(saved)
-        _changed()
-
-
-def _changed() -> None:
-    from ._launch import clear_plans
-    clear_plans()
-
+from . import _overrides
+from ._overrides import override  # noqa: F401  (the public name: tuning.override)
+from .constants import (FEAT_ALIBI, FEAT_PACK_GQA, FEAT_SOFTCAP, KV_DENSE, MASK_CAUSAL,
+                        MASK_NONE, MASK_WINDOW, SM90_ARCH)
+from .keys import (FlashCombineVariant, FlashFwdSm90Variant, FlashFwdVariant,
+                   FlashInferTablesVariant, KvCacheAppendVariant, MergeVariant,
+                   PagedMmaVariant, PagedReduceVariant, PagedSimtVariant, QuantizeE4m3Variant,
+                   ReshapeCacheVariant)
 
 # ---- merge_attn_states / merge_states -----------------------------------------------------------
 # One thread per 16-byte vector; 256 threads per block. H200, bf16, 16384 tokens x 32 heads
 # x 128: see bench/NOTES.md (merge v1) for the measured bandwidth.
 MERGE_NUM_THREADS = 256
-MERGE_SHIPPED_HEAD_SIZES = (64, 128, 256)
 
 
 def merge_variant(dtype: str, head_size: int, stacked: bool) -> MergeVariant:
@@ -299,7 +233,7 @@ def flash_path(arch: str, head_dim: int) -> str:
         raise ValueError(f"override: flash_path 'wgmma' needs an sm_90 device, this is {arch}")
     if forced is not None:
         return forced
-    if "flash_tiles" in _overrides or arch != SM90_ARCH or compiled_head_dim(head_dim) < 64:
+    if _overrides.has("flash_tiles") or arch != SM90_ARCH or compiled_head_dim(head_dim) < 64:
         return "mma"
     return "wgmma"
 
@@ -361,7 +295,6 @@ def flash_combine_variant(dtype: str, head_dim: int, sinks: bool = False) -> Fla
 # 1 x 64 x 16384 x 16 heads: 16 splits 47 us, best.
 FLASH_MIN_TILES_PER_SPLIT = 4
 FLASH_MAX_SPLITS = 64
-FLASH_SHIPPED_HEAD_DIMS = (64, 96, 128, 256)
 
 
 def flash_num_splits(blocks: int, n_key_tiles: int, num_sms: int, blocks_per_sm: int) -> int:
@@ -685,77 +618,3 @@ QUANTIZE_NUM_THREADS = 128
 
 def quantize_variant(dtype: str) -> QuantizeE4m3Variant:
     return QuantizeE4m3Variant(dtype, QUANTIZE_NUM_THREADS)
-
-
-# Shipped (precompiled) paged set: 16-bit caches of the activation dtype x these head sizes
-# x block 16 x groups x v1 and every v2 partition (what "auto" reaches).
-PAGED_SHIPPED_HEAD_SIZES = (64, 128, 256)
-PAGED_SHIPPED_BLOCK_SIZES = (16,)
-PAGED_SHIPPED_GROUPS = (1, 4, 8)
-
-
-# ---- the shipped set: every variant a default call with a shipped size reaches ----------------
-
-def _shipped_flash() -> list:
-    out = []
-    for dt in ("f16", "bf16"):
-        for hd in FLASH_SHIPPED_HEAD_DIMS:
-            for arch in FLASH_TABLE_ARCHS:
-                for mask in (MASK_NONE, MASK_CAUSAL):
-                    for split in (False, True):    # num_splits=0 splits small grids
-                        out.append(flash_forward_variant(dt, hd, mask=mask, split=split,
-                                                         arch=arch))
-            for mask in (MASK_NONE, MASK_CAUSAL):
-                for split in (False, True):
-                    # (the cp.async form, for strides no tensor map takes, compiles on use;
-                    # seqlen_q 1: the short causal tiles)
-                    for seqlen_q in (None, 1):
-                        out.append(flash_sm90_variant(dt, hd, mask=mask, split=split, tma=True,
-                                                      seqlen_q=seqlen_q))
-            out.append(flash_combine_variant(dt, hd))
-    return out + _shipped_flash_backward()
-
-
-def _shipped_flash_backward() -> list:
-    """flash_backward at head dims 64 and 128, causal or not: the Hopper kernel (sm_90), the
-    mma.sync kernel of both tables' tiles (sm_80, sm_86), and its row kernels (a training
-    step's defaults)."""
-    from .tuning_bwd import flash_bwd_row_variants, flash_bwd_variant
-    out = []
-    for dt in ("f16", "bf16"):
-        for hd in (64, 128):
-            out += [flash_bwd_variant(dt, hd, mask=mask, arch=arch)
-                    for arch in (SM90_ARCH, "sm_80", "sm_86")
-                    for mask in (MASK_NONE, MASK_CAUSAL)]
-            out += flash_bwd_row_variants(dt, hd)
-    return out
-
-
-def _shipped_merge() -> list:
-    return [merge_variant(dt, hs, stacked) for dt in ("f16", "bf16")
-            for hs in MERGE_SHIPPED_HEAD_SIZES for stacked in (False, True)]
-
-
-def _shipped_paged() -> list:
-    out = []
-    for dt in ("f16", "bf16"):
-        for hs in PAGED_SHIPPED_HEAD_SIZES:
-            for bs in PAGED_SHIPPED_BLOCK_SIZES:
-                for g in PAGED_SHIPPED_GROUPS:
-                    for ps in (0,) + PAGED_PARTITION_SIZES:
-                        if paged_form(dt, hs, g) == "mma":
-                            out.append(paged_mma_variant(dt, hs, bs, g, ps, False))
-                        else:
-                            out.append(paged_simt_variant(dt, dt, hs, bs, g, ps, False))
-            out.append(paged_reduce_variant(dt, hs))
-        for slot64 in (False, True):
-            out.append(reshape_variant(dt, dt, slot64))
-    out.append(flashinfer_tables_variant())
-    return out
-
-
-SHIPPED: dict[str, Callable[[], list]] = {
-    "flash": _shipped_flash,
-    "merge": _shipped_merge,
-    "paged": _shipped_paged,
-}

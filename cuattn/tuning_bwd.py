@@ -1,15 +1,17 @@
 """The backward's launch-shape choices (flash_backward / flash_varlen_backward), beside
 cuattn.tuning (the forward's and the other ops'), whose ``override`` forces them too
-(``flash_bwd_tiles``). Each choice carries its measurement, or says it is a first guess.
+(``flash_bwd_tiles``; cuattn._overrides holds what it forces). Each choice carries its
+measurement, or says it is a first guess.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from . import tuning
+from . import _overrides, tuning
+from .constants import FEAT_ALIBI, FEAT_SOFTCAP, SM90_ARCH
+from .keys import (FlashBwdDqVariant, FlashBwdDsinksVariant, FlashBwdPrepVariant,
+                   FlashBwdSm90Variant, FlashBwdVariant)
 from .tuning import compiled_head_dim, sm90_head_dim
-from .variants import (SM90_ARCH, FEAT_ALIBI, FEAT_SOFTCAP, FlashBwdDqVariant, FlashBwdDsinksVariant,
-                       FlashBwdPrepVariant, FlashBwdSm90Variant, FlashBwdVariant)
 
 
 @dataclass(frozen=True)
@@ -59,7 +61,7 @@ def bwd_head_dim(head_dim: int) -> int:
 
 
 def flash_bwd_tiles(arch: str, head_dim: int) -> FlashBwdTiles:
-    forced = tuning._overrides.get("flash_bwd_tiles")
+    forced = _overrides.get("flash_bwd_tiles")
     if forced is not None:
         return forced
     if arch in ("sm_86", "sm_87", "sm_89"):
@@ -102,8 +104,8 @@ def flash_bwd_path(arch: str, head_dim: int) -> str:
     a device of ``arch``: override(flash_path=...) forces either (override(flash_bwd_tiles=...)
     "mma"); else the forward's path (tuning.flash_path) at FLASH_BWD_SM90_DEFAULT's head
     dims."""
-    forced = tuning._overrides.get("flash_path")
-    if forced is None and "flash_bwd_tiles" in tuning._overrides:
+    forced = _overrides.get("flash_path")
+    if forced is None and _overrides.has("flash_bwd_tiles"):
         return "mma"
     path = tuning.flash_path(arch, head_dim)
     if forced is None and sm90_head_dim(head_dim) not in FLASH_BWD_SM90_DEFAULT:
@@ -118,7 +120,7 @@ def flash_bwd_variant(dtype: str, head_dim: int, *, mask: int, arch: str,
     features &= FEAT_SOFTCAP | FEAT_ALIBI
     if flash_bwd_path(arch, head_dim) == "wgmma":
         hd = sm90_head_dim(head_dim)
-        t = tuning._overrides.get("flash_bwd_sm90_tiles") or FLASH_BWD_SM90_TILES[hd]
+        t = _overrides.get("flash_bwd_sm90_tiles") or FLASH_BWD_SM90_TILES[hd]
         return FlashBwdSm90Variant(dtype, hd, t.block_m, t.num_wg, mask, features)
     hd = bwd_head_dim(head_dim)
     t = flash_bwd_tiles(arch, hd)
@@ -157,7 +159,7 @@ def flash_bwd_lpt_group(*, kernel, causal: bool, varlen: bool, deterministic: bo
     (elem_bytes each), dQ's fp32 workspace, lse2 and D; sections hold a power of two of pairs
     whose rows fit LPT_L2_SHARE of the L2 (at least one). tuning.override(flash_bwd_lpt=...):
     False for the plain grid, a positive int for that many pairs per section."""
-    forced = tuning._overrides.get("flash_bwd_lpt")
+    forced = _overrides.get("flash_bwd_lpt")
     if not isinstance(kernel, FlashBwdSm90Variant) or not causal or varlen or deterministic \
             or forced is False:
         return 0

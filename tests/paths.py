@@ -7,7 +7,7 @@ import contextlib
 import pytest
 
 from cuattn import tuning
-from cuattn.variants import SM90_ARCH
+from cuattn.constants import SM90_ARCH
 
 FLASH_PATHS = ("mma", "wgmma")
 

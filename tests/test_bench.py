@@ -166,3 +166,8 @@ def test_wall_clock_syncs_once_per_rep():
                          n_warmup=1, n_repeat=3)
     assert ms >= 0 and len(called) == 1 + 4 * (1 + 3)
     assert synced == [1, 5, 9, 13, 17]     # the first call's result, then each rep's last
+
+
+def test_run_docstring_names_every_suite():
+    usage = " ".join(run.__doc__.split())
+    assert [s for s in run.SUITES if s not in usage.split("[--quick]")[0]] == []

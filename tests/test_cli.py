@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from cuattn import variants
+from cuattn import shipped as shipped_set
 from cuattn.__main__ import main
 from cuattn.jit import cache, compiler
 
@@ -38,11 +38,12 @@ def _main(capsys, *args) -> tuple[int, str, str]:
 def test_cli_precompile_info_list_clear(tmp_path):
     r = _cli("precompile", "--arch", "sm_90", "--ops", "merge", "-q", cache_dir=tmp_path)
     assert r.returncode == 0, r.stderr
-    n = len(variants.shipped(["merge"]))
+    n = len(shipped_set.shipped(["merge"]))
     assert f"{n} variants, {n} compiled" in r.stdout
     r = _cli("info", cache_dir=tmp_path)
     assert r.returncode == 0 and f"({n} kernels" in r.stdout and "sm_90" in r.stdout
     assert "cuda-bindings" in r.stdout
+    assert "sm_90a (arch-specific" in r.stdout      # the Hopper kernels' target
     r = _cli("cache", "list", cache_dir=tmp_path)
     listed = r.stdout.splitlines()
     assert r.returncode == 0 and len(listed) == n

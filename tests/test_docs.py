@@ -115,10 +115,10 @@ def test_architecture_shows_a_real_generated_source():
     """The example translation unit of docs/ARCHITECTURE.md is key.source() of the shipped
     variant it names: every line shown (less a trailing ``// comment``; ``...`` elides)
     stands in the real source, in order."""
-    from cuattn import variants
+    from cuattn import shipped as shipped_set
     (where, block), = [(w, b) for w, b in code_blocks(ARCHITECTURE, "") if 'extern "C"' in b]
     name = re.search(r"^(cuattn_\w+)\(", block, re.MULTILINE).group(1)
-    shipped = {v.name: v for arch in ("sm_80", "sm_90") for v in variants.shipped(arch=arch)}
+    shipped = {v.name: v for arch in ("sm_80", "sm_90") for v in shipped_set.shipped(arch=arch)}
     assert name in shipped, f"{where}: {name} is not a shipped variant"
     real = iter(shipped[name].source().splitlines())
     for line in block.splitlines():
@@ -128,10 +128,10 @@ def test_architecture_shows_a_real_generated_source():
 
 
 def test_architecture_names_every_variant_and_params_struct():
-    from cuattn import variants
+    from cuattn import param_structs
     from tests.test_jit import _all_variant_classes
     text = ARCHITECTURE.read_text()
-    mirrors = {name: p for name, p in vars(variants).items() if name.endswith("_PARAMS")}
+    mirrors = {name: p for name, p in vars(param_structs).items() if name.endswith("_PARAMS")}
     names = [c.__name__ for c in _all_variant_classes()] + list(mirrors) + \
         [p.cpp_name for p in mirrors.values()]
     assert [n for n in names if f"`{n}`" not in text] == []
@@ -150,11 +150,11 @@ def test_allocation_rule_is_one_statement():
 def test_readme_shipped_set_count_is_the_codes():
     """The measured precompile of the shipped set names its size: when the set changes, the
     measurement is stale."""
-    from cuattn import variants
+    from cuattn import shipped as shipped_set
     found = re.search(r"precompile --arch sm_90` into an empty cache builds its (\d+) variants",
                       " ".join(README.read_text().split()))
     assert found, "README.md: the shipped set's measurement sentence moved"
-    documented, shipped = int(found.group(1)), len(variants.shipped(arch="sm_90"))
+    documented, shipped = int(found.group(1)), len(shipped_set.shipped(arch="sm_90"))
     assert documented == shipped, (
         f"README.md measured {documented} shipped variants, the code ships {shipped}: "
         "re-measure into an empty cache (CUATTN_CACHE_DIR=$(mktemp -d) time python -m cuattn "

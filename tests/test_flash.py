@@ -25,7 +25,8 @@ from cuattn.flash import _mask_and_bounds
 from tests.compiled import compile_reports, unclean
 from tests.paths import FLASH_PATHS, forced_flash_path
 from cuattn.tuning import FlashTiles
-from cuattn.variants import MASK_CAUSAL, MASK_NONE, MASK_WINDOW, FlashFwdVariant
+from cuattn.constants import MASK_CAUSAL, MASK_NONE, MASK_WINDOW
+from cuattn.keys import FlashFwdVariant
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F16 = np.dtype(np.float16)

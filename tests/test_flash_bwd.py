@@ -20,8 +20,8 @@ import pytest
 
 import cuattn
 from cuattn import tuning, tuning_bwd
-from cuattn.variants import MASK_CAUSAL, MASK_NONE, MASK_WINDOW, FEAT_ALIBI, FEAT_SOFTCAP, \
-    FlashBwdSm90Variant, FlashBwdVariant
+from cuattn.constants import FEAT_ALIBI, FEAT_SOFTCAP, MASK_CAUSAL, MASK_NONE, MASK_WINDOW
+from cuattn.keys import FlashBwdSm90Variant, FlashBwdVariant
 from tests.compiled import compile_reports, unclean
 from tests.reference import attention_backward_reference, attention_reference, grad_tolerance
 

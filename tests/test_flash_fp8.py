@@ -20,8 +20,9 @@ import pytest
 
 import cuattn
 from cuattn import tuning
-from cuattn.variants import (FEAT_ALIBI, FEAT_SINKS, FEAT_SOFTCAP, MASK_CAUSAL, MASK_NONE,
-                             MASK_WINDOW)
+from cuattn.keys import FlashFwdSm90Variant
+from cuattn.constants import (FEAT_ALIBI, FEAT_SINKS, FEAT_SOFTCAP, MASK_CAUSAL, MASK_NONE,
+                              MASK_WINDOW)
 from tests.compiled import compile_reports, unclean
 from tests.reference import (attention_reference, fp8_attention_kernel_math, fp8_dequantized,
                              quantize_e4m3, tolerance)
@@ -70,7 +71,7 @@ def test_fp8_tiles_fit_and_the_head_dim_rule():
         assert v.head_dim == (128 if hd <= 128 else 256)
         assert v.dynamic_smem_bytes <= 227 * 1024
     with pytest.raises(ValueError, match="e4m3"):
-        cuattn.variants.FlashFwdSm90Variant("e4m3", 128, 128, 128, 2, MASK_NONE, False, 0,
+        FlashFwdSm90Variant("e4m3", 128, 128, 128, 2, MASK_NONE, False, 0,
                                             False, 0, "bf16")   # cp.async
 
 

@@ -13,8 +13,9 @@ import pytest
 
 from cuattn import tuning
 from cuattn.tuning import FlashSm90Tiles
-from cuattn.variants import (FEAT_ALIBI, FEAT_SINKS, FEAT_SOFTCAP, MASK_CAUSAL, MASK_NONE,
-                             MASK_WINDOW, FlashFwdSm90Variant, FlashFwdVariant)
+from cuattn.constants import (FEAT_ALIBI, FEAT_SINKS, FEAT_SOFTCAP, MASK_CAUSAL, MASK_NONE,
+                              MASK_WINDOW)
+from cuattn.keys import FlashFwdSm90Variant, FlashFwdVariant
 from tests.compiled import compile_reports, unclean
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -234,9 +235,9 @@ def test_variant_names_targets_and_the_shipped_set():
     assert v.target_arch("sm_90") == "sm_90a" and v.runs_on("sm_90") and not v.runs_on("sm_80")
     with tuning.override(flash_sm90_tiles=FlashSm90Tiles(64, 64, 3)):
         assert tuning.flash_sm90_variant("f16", 64, mask=MASK_NONE, split=False).block_m == 64
-    from cuattn import variants
-    on_80 = variants.shipped(["flash"], "sm_80")
-    on_90 = variants.shipped(["flash"], "sm_90")
+    from cuattn import shipped as shipped_set
+    on_80 = shipped_set.shipped(["flash"], "sm_80")
+    on_90 = shipped_set.shipped(["flash"], "sm_90")
     assert not any(isinstance(x, FlashFwdSm90Variant) for x in on_80)
     assert any(isinstance(x, FlashFwdSm90Variant) for x in on_90)
     assert any(isinstance(x, FlashFwdVariant) for x in on_90)   # forced mma.sync, hd32

@@ -51,8 +51,8 @@ import cuattn
 from cuattn import paged, tuning, tuning_bwd
 from cuattn.paged.forms import form_for
 from cuattn.flash import _mask_and_bounds
-from cuattn.variants import FEAT_ALIBI, FEAT_SINKS, FEAT_SOFTCAP, KV_PAGED_NHD, KV_PAGED_VLLM, \
-    FlashFwdSm90Variant
+from cuattn.constants import FEAT_ALIBI, FEAT_SINKS, FEAT_SOFTCAP, KV_PAGED_NHD, KV_PAGED_VLLM
+from cuattn.keys import FlashFwdSm90Variant
 from test_flash import _floor, _round, _visible, attention_ref
 from test_flash_bwd import check_grads
 from test_paged import E4M3, _cache_values, make_case, paged_reference

@@ -1,6 +1,7 @@
 """The run-time compiler and its cache (CPU only: NVRTC needs no GPU when the arch is named)."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import subprocess
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from cuattn import tuning, variants
+from cuattn import shipped as shipped_set, tuning
 from cuattn.jit import CompileError, Variant, cache, compiler
 from cuattn.jit.compiler import compile_ptx, parse_ptxas_report
 from tests.compiled import compile_reports, unclean
@@ -21,7 +22,7 @@ KEY = tuning.merge_variant("bf16", 128, False)
 
 
 def _all_variant_classes():
-    variants.shipped()   # imports every op module
+    shipped_set.shipped()   # imports every op module
     pending, seen = list(Variant.__subclasses__()), []
     while pending:
         cls = pending.pop()
@@ -32,10 +33,21 @@ def _all_variant_classes():
 
 def test_names_are_readable_symbols():
     assert KEY.name == "cuattn_merge__bf16_hd128_pair_t256"
-    names = [v.name for v in variants.shipped()]
+    names = [v.name for v in shipped_set.shipped()]
     assert len(names) == len(set(names)), "two shipped variants share a symbol"
     for name in names:
         assert re.fullmatch(r"cuattn_[a-z0-9_]+__[a-z0-9_]+", name), name
+
+
+@pytest.mark.parametrize("cls", _all_variant_classes(), ids=lambda c: c.__name__)
+def test_every_key_field_spells_itself_once(cls):
+    """A key's fields each declare their symbol part (cuattn.jit.key_field), and a key that
+    orders its parts or template arguments otherwise than its fields lists every field
+    once."""
+    fields = dataclasses.fields(cls)
+    assert [f.name for f in fields if f.metadata.get("name") is None] == []
+    for order in (cls.name_order, cls.traits_order):
+        assert not order or sorted(order) == sorted(f.name for f in fields), order
 
 
 @pytest.mark.parametrize("cls", _all_variant_classes(), ids=lambda c: c.__name__)
@@ -60,7 +72,7 @@ def test_params_struct_layout_matches_cpp(cls):
 
 @pytest.mark.slow
 def test_every_shipped_variant_compiles_for_sm90_without_spills():
-    shipped = variants.shipped()
+    shipped = shipped_set.shipped()
     reports = compile_reports(shipped, "sm_90")
     assert [v.name for v, _ in reports] == [v.name for v in shipped]
     assert unclean(reports) == []
@@ -70,7 +82,7 @@ def test_every_shipped_variant_compiles_for_sm90_without_spills():
 def test_representative_variants_compile(arch):
     """The first and last shipped variant of each op (the whole set for sm_90: marker slow)."""
     by_op: dict[str, list] = {}
-    for v in variants.shipped(arch=arch):
+    for v in shipped_set.shipped(arch=arch):
         by_op.setdefault(v.op, []).append(v)
     assert unclean(compile_reports([v for vs in by_op.values() for v in (vs[0], vs[-1])],
                                    arch)) == []

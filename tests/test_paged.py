@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 
 import cuattn
-from cuattn import tuning
+from cuattn import shipped, tuning
 from cuattn.paged import HEAD_SIZES
 from cuattn.paged.forms import MmaForm, SimtForm, form_for
 from cuattn.tuning import PagedMmaTiles
-from cuattn.variants import PagedMmaVariant
+from cuattn.keys import PagedMmaVariant
 from tests.compiled import compile_reports, unclean
 from tests.reference import check_attention, tolerance
 
@@ -99,7 +99,7 @@ def test_variant_names_and_launch_bounds():
     assert f"__launch_bounds__({m.num_threads}, 1)" in m.source()
     assert m.dynamic_smem_bytes == t.num_warps * t.stages * 2 * 16 * 128 * 2
     assert f"Traits::SMEM_BYTES == {m.dynamic_smem_bytes}" in m.source()
-    names = [x.name for x in tuning.SHIPPED["paged"]()]
+    names = [x.name for x in shipped.SHIPPED["paged"]()]
     assert len(names) == len(set(names))
 
 
@@ -158,7 +158,7 @@ def test_params_packing_matches_pack():
     """A launch packs a call's pointers in front of its plan's static tail: the same bytes as
     ParamsStruct.pack of every field."""
     from cuattn._launch import Launch
-    from cuattn.variants import PAGED_PARAMS, PAGED_REDUCE_PARAMS, RESHAPE_PARAMS
+    from cuattn.param_structs import PAGED_PARAMS, PAGED_REDUCE_PARAMS, RESHAPE_PARAMS
     rng = np.random.default_rng(1)
     for ps in (PAGED_PARAMS, PAGED_REDUCE_PARAMS, RESHAPE_PARAMS):
         n_ptr = ps.num_pointers

@@ -19,8 +19,8 @@ import pytest
 
 import cuattn
 from cuattn import _tma, tuning
-from cuattn.variants import (FEAT_ALIBI, FEAT_SINKS, FEAT_SOFTCAP, KV_PAGED_NHD, KV_PAGED_VLLM,
-                             MASK_CAUSAL, MASK_NONE, MASK_WINDOW)
+from cuattn.constants import (FEAT_ALIBI, FEAT_SINKS, FEAT_SOFTCAP, KV_PAGED_NHD, KV_PAGED_VLLM,
+                              MASK_CAUSAL, MASK_NONE, MASK_WINDOW)
 from tests.compiled import compile_reports, unclean
 from tests.paths import FLASH_PATHS, forced_flash_path
 from tests.reference import attention_reference, check_attention, merge_reference, tolerance
@@ -952,7 +952,7 @@ def test_decode_nhd_on_the_flash_form(rng, cache, head_size, block_size, which, 
         kw.update(k_scale=scales[0], v_scale=scales[1])
     out, lse = run_decode(b, kv_layout="nhd", window_size=window, version=version, **kw)
     from cuattn.paged import attention
-    from cuattn.variants import FLASH_PARAMS
+    from cuattn.param_structs import FLASH_PARAMS
     assert list(attention._plans.values())[-1].launches[0].dtype == FLASH_PARAMS.dtype
     scale = 1 / math.sqrt(head_size)
     refs = [attention_reference(b["q"][s:s + 1], b["ks"][s], b["vs"][s], scale, causal=True,

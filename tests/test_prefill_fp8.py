@@ -22,8 +22,8 @@ import pytest
 
 import cuattn
 from cuattn import tuning
-from cuattn.variants import (FEAT_ALIBI, FEAT_SINKS, FEAT_SOFTCAP, KV_PAGED_NHD, KV_PAGED_VLLM,
-                             MASK_CAUSAL, MASK_NONE, MASK_WINDOW)
+from cuattn.constants import (FEAT_ALIBI, FEAT_SINKS, FEAT_SOFTCAP, KV_PAGED_NHD, KV_PAGED_VLLM,
+                              MASK_CAUSAL, MASK_NONE, MASK_WINDOW)
 from tests.compiled import compile_reports, unclean
 from tests.reference import (E4M3_MAX, attention_reference, fp8_attention_kernel_math,
                              quantize_e4m3)

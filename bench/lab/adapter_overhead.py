@@ -2,7 +2,8 @@
 with JAX: PYTHONPATH=. python bench/lab/adapter_overhead.py
 
 1. Per call, small shape (2, 1024, 16, 128) bf16 causal: a jitted flash_attention called
-   back to back (wall clock / N after one block_until_ready; DESIGN.md's method for JAX),
+   back to back (wall clock / N after one block_until_ready: the method for a library with
+   no graph API, docs/ARCHITECTURE.md section 4, bench/harness.py wall_ms),
    with XLA's command buffers allowed (the adapter's default) and not
    (command_buffer_compatible=False: Python runs on every call), beside the bare
    cuattn.flash_forward's kernel time (CuPy graph replays), its eager back-to-back time, and

@@ -36,7 +36,7 @@ CANDIDATES = {
 def prebuild(arch: str = "sm_90") -> None:
     """Compile every candidate (both masks, the TMA form) into the disk cache."""
     from cuattn import jit
-    from cuattn.variants import MASK_CAUSAL, MASK_NONE
+    from cuattn.constants import MASK_CAUSAL, MASK_NONE
     for hd, ts in CANDIDATES.items():
         for t in ts:
             for mask in (MASK_NONE, MASK_CAUSAL):

@@ -86,7 +86,7 @@ def _precompile(cands, arch="sm_90", jobs=16):
 
     from cuattn import tuning
     from cuattn.jit import build
-    from cuattn.variants import MASK_CAUSAL, MASK_NONE
+    from cuattn.constants import MASK_CAUSAL, MASK_NONE
     todo = {}
     for hd, ts in cands.items():
         for t in ts:

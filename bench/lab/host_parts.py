@@ -23,7 +23,7 @@ import numpy as np  # noqa: E402
 import cuattn  # noqa: E402
 from bench.harness import format_table, host_cost, randn  # noqa: E402
 from cuattn._launch import Launch, _sign  # noqa: E402
-from cuattn.variants import FLASH_PARAMS  # noqa: E402
+from cuattn.param_structs import FLASH_PARAMS  # noqa: E402
 
 
 def main() -> None:

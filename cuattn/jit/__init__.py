@@ -13,12 +13,12 @@ from . import cache, compiler
 from .compiler import CompileError, CompileResult, Resources, compile_cubin, nvrtc_version
 from .device import DeviceError, DeviceInfo, device_info
 from .params import ParamsStruct
-from .variant import Variant
+from .variant import Variant, key_field
 
 __all__ = ["CompileError", "CompileResult", "DeviceError", "DeviceInfo", "ParamsStruct",
            "Resources", "Variant", "arch_of_device", "build", "cache", "compile_variant",
-           "compiler", "device_info", "get_kernel", "max_dynamic_smem", "nvrtc_version",
-           "set_max_dynamic_smem"]
+           "compiler", "device_info", "get_kernel", "key_field", "max_dynamic_smem",
+           "nvrtc_version", "set_max_dynamic_smem"]
 
 _loaded: dict[tuple[int, Variant], "cupy.cuda.function.Function"] = {}
 _modules: list = []          # keep modules alive as long as their functions

@@ -32,14 +32,21 @@ class Variant:
     # pins dynamic_smem_bytes (Python's value) to it with a static_assert.
     smem_from_traits: ClassVar[bool] = False
 
+    # The fields in the order of their parts of the symbol and of their template arguments,
+    # where that is not the order of declaration (the C++ traits and the names cached on
+    # disk fix both orders; the constructor fixes the fields').
+    name_order: ClassVar[tuple[str, ...]] = ()
+    traits_order: ClassVar[tuple[str, ...]] = ()
+
     # -- what a subclass provides -------------------------------------------------------
     def name_parts(self) -> tuple[str, ...]:
-        """Readable pieces of the symbol after the op, e.g. ("bf16", "hd128")."""
-        raise NotImplementedError
+        """Readable pieces of the symbol after the op, e.g. ("bf16", "hd128"): each field's
+        ``name`` (key_field)."""
+        return self._spelled("name", self.name_order)
 
     def traits_args(self) -> tuple:
-        """C++ template arguments of ``traits``, in order."""
-        raise NotImplementedError
+        """C++ template arguments of ``traits``, in order: each field's ``cpp`` (key_field)."""
+        return self._spelled("cpp", self.traits_order)
 
     @property
     def num_threads(self) -> int:
@@ -69,6 +76,24 @@ class Variant:
         """Whether a device of ``arch`` can run the kernel (precompile skips the others)."""
         return True
 
+    def _spelled(self, what: str, order: tuple[str, ...]) -> tuple:
+        """Each field's ``what`` spelling (key_field's name or cpp), in ``order`` (empty:
+        the fields' own)."""
+        fields = {f.name: f for f in dataclasses.fields(self)}
+        out: tuple = ()
+        for name in order or fields:
+            spell = fields[name].metadata.get(what)
+            value = getattr(self, name)
+            if spell is None:
+                if what == "name":
+                    raise TypeError(f"{type(self).__name__}.{name}: no name (key_field)")
+                out += (value,)
+            elif isinstance(spell, str):
+                out += (spell.format(value),)
+            else:
+                out += tuple(spell(value))
+        return out
+
     # -- derived ------------------------------------------------------------------------
     @property
     def name(self) -> str:
@@ -97,6 +122,14 @@ class Variant:
             f"  cuattn::{self.kernel}<Traits>({passed});\n"
             f"}}\n"
         )
+
+
+def key_field(name, cpp=None, **field_args):
+    """A field of a key with its spelling: ``name`` its parts of the symbol (a format string
+    of the value such as "hd{}", or a function of the value returning a tuple of parts,
+    empty for none), ``cpp`` its template arguments (a function of the value returning a
+    tuple; None: the value itself). ``field_args`` go to dataclasses.field (a default)."""
+    return dataclasses.field(metadata={"name": name, "cpp": cpp}, **field_args)
 
 
 def _cpp_literal(value) -> str:

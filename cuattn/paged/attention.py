@@ -16,19 +16,18 @@ from .. import _arrays as A
 from .. import tuning
 from .._dtypes import activation_dtype
 from .._hooks import alibi_stride, check_hooks, hook_fields
-from .._launch import (NULL, Launch, Plan, execute, on_device, plan_cache, plan_for,
-                       returns)
-from ..jit import get_kernel
-from ..variants import FEAT_ALIBI, FEAT_SINKS, FEAT_SOFTCAP, PAGED_PARAMS, PAGED_REDUCE_PARAMS
+from .._launch import NULL, Plan, execute, on_device, plan_cache, plan_for, returns
+from ..constants import FEAT_ALIBI, FEAT_SINKS, FEAT_SOFTCAP
 from . import scales
-from .forms import form_for
+from .forms import decode_launches, form_for, window_bound
+from .prefill import PagedFlashCall, flash_form_plan
 from .layout import (check_caches, check_flash_context, check_head_size, check_layout,
                      check_tables)
 
 _plans = plan_cache()
 _NAMES = ("q", "k_cache", "v_cache", "block_tables", "seq_lens", "alibi_slopes", "sinks",
           "k_scale", "v_scale", "out")
-_UNBOUNDED = 2**30
+_ARG = {name: i for i, name in enumerate(_NAMES)}
 _Q_DOC = "(num_seqs, nheads, head_size)"
 
 
@@ -86,12 +85,6 @@ def auto_version(q_shape, cache_dtype, nheads_kv: int, block_size: int, max_bloc
     return version if version == "v1" else f"v2 p{ps}"
 
 
-def window_bound(side: int) -> int:
-    """A window side for PagedParams (window_left / window_right): -1 (unbounded) becomes
-    a value no position reaches."""
-    return _UNBOUNDED if side < 0 else min(side, _UNBOUNDED)
-
-
 def _window_left(window_size) -> int:
     """The kernels' window_left: keys j >= seq_len - 1 - window_left (right is moot)."""
     return window_bound(A.check_window(window_size)[0])
@@ -143,13 +136,12 @@ def _plan(arrays, softmax_scale, k_scale, v_scale, softcap, window_size, kv_layo
                        align=16 if flash_form else 0)
     out_arg = len(arrays) - 1
     if flash_form:
-        from .prefill import flash_form_plan     # (prefill imports this module)
-        return flash_form_plan(
+        return flash_form_plan(PagedFlashCall(
             q, k_cache, v_cache, block_tables, info, kv_layout, dtype=dtype, features=features,
             softcap=softcap, softmax_scale=softmax_scale, left=A.check_window(window_size)[0],
             right=0, num_splits=1 if version == "v1" else 0, k_scale=k_scale, v_scale=v_scale,
             out=out, return_lse=bool(return_lse), num_args=len(arrays), decode=True,
-            alibi_stride=alibi_stride(alibi_slopes))
+            alibi_stride=alibi_stride(alibi_slopes)))
 
     gqa = num_heads // info.num_kv_heads
     group = tuning.paged_group(gqa)
@@ -164,7 +156,9 @@ def _plan(arrays, softmax_scale, k_scale, v_scale, softcap, window_size, kv_layo
         len(arrays), [(out_arg if out is not None else None, q.shape, q.dtype)] +
         ([(None, lse_shape, np.float32)] if return_lse else []))
     out_slot, lse_slot = (returned_slots + (NULL,))[:2]
-    align = ((1, 16), (2, info.v_align), (3, 4), (4, 4), (5, 4), (6, 4), (7, 4), (8, 4))
+    align = ((_ARG["k_cache"], 16), (_ARG["v_cache"], info.v_align)) + tuple(
+        (_ARG[n], 4) for n in ("block_tables", "seq_lens", "alibi_slopes", "sinks", "k_scale",
+                               "v_scale"))
     common = dict(device_id=device_id, align=align, outputs=outputs, result=result)
 
     form = form_for(info.cache, head_size, group, nhd=hooks["nhd"])
@@ -189,8 +183,9 @@ def _plan(arrays, softmax_scale, k_scale, v_scale, softcap, window_size, kv_layo
             num_seqs=num_seqs, num_heads=num_heads, gqa_ratio=gqa, max_blocks_per_seq=max_blocks,
             out_stride_seq=o_seq, out_stride_head=o_head, lse_stride_head=l_head,
             lse_stride_seq=l_seq)
-        inputs = tuple(slots.arg(i) for i in range(7)) + (NULL,) + \
-            scales.slots(slots, 7, k_scale, v_scale)
+        # decode_launches' inputs: q .. sinks, no cu_seqlens_q, then the scales
+        inputs = tuple(slots.arg(_ARG[n]) for n in _NAMES[:_ARG["sinks"] + 1]) + (NULL,) + \
+            scales.slots(slots, _ARG["k_scale"], k_scale, v_scale)
         key_for = functools.partial(form.variant, dtype.short, info.cache, head_size,
                                     info.block_size, group, alibi=alibi, **hooks)
         return Plan(**common, **decode_launches(
@@ -198,50 +193,3 @@ def _plan(arrays, softmax_scale, k_scale, v_scale, softcap, window_size, kv_layo
             rows=num_seqs, max_context=max_context, sinks=hooks["sinks"],
             slots=(out_slot, lse_slot, slots.scratch(0), slots.scratch(1)) + inputs,
             fields=fields, device_id=device_id))
-
-
-def decode_launches(form, key_for, version: str, partition_size: int, v1, *, grid: tuple,
-                    rows: int, max_context: int, sinks: bool, slots: tuple, fields: dict,
-                    device_id: int) -> dict:
-    """The launches of a checked decode call (paged_attention, and paged_prefill's few-token
-    form) as Plan fields: v1 alone, or v2's main kernel and its reduce over scratch.
-
-    key_for(partition_size): the main kernel's variant. v1: form.v1_launch's (kernel, shared
-    memory, logits_stride) when version is "v1". grid: (head groups, sequences); rows: the
-    query rows (sequences, or total_q for multi-token decode). slots: the pointer slots of
-    out, lse, tmp_out, tmp_lse, q, k_cache, v_cache, block_tables, seq_lens, alibi_slopes,
-    sinks, cu_seqlens_q, k_scales, v_scales. fields: every other PagedParams field but
-    max_parts and logits_stride (the out / lse strides those of the final output).
-    """
-    out, lse, tmp_out, tmp_lse, *inputs = slots
-    inputs = tuple(inputs)
-    if version == "v1":
-        kernel, smem, logits_stride = v1
-        tail = PAGED_PARAMS.tail(max_parts=1, logits_stride=logits_stride, **fields)
-        return dict(launches=(Launch(kernel, grid + (1,), (key_for(0).num_threads,), smem,
-                                     PAGED_PARAMS.dtype, (out, lse, NULL, NULL) + inputs,
-                                     tail),))
-    key = key_for(partition_size)
-    head_size, num_heads = key.head_size, fields["num_heads"]
-    rkey = tuning.paged_reduce_variant(key.dtype, head_size, sinks=sinks)
-    max_parts = max(1, -(-max_context // partition_size))
-    tmp_out_bytes = rows * num_heads * max_parts * head_size * 4   # a multiple of 16
-    tmp_lse_bytes = rows * num_heads * max_parts * 4
-    tail = PAGED_PARAMS.tail(max_parts=max_parts, logits_stride=form.logits_stride(key),
-                             **fields)   # (v2 writes tmp_out / tmp_lse: out strides unused)
-    final = {n: fields[n] for n in ("out_stride_seq", "out_stride_head", "lse_stride_head",
-                                    "lse_stride_seq")}
-    rtail = PAGED_REDUCE_PARAMS.tail(**final, num_heads=num_heads, max_parts=max_parts,
-                                     partition_size=partition_size, max_seq_len=max_context,
-                                     num_seqs=fields["num_seqs"])
-    launches = []
-    if max_context > 0:     # else every sequence is empty: the reduce writes zeros alone
-        launches.append(Launch(get_kernel(key, device_id), grid + (max_parts,),
-                               (key.num_threads,), key.dynamic_smem_bytes, PAGED_PARAMS.dtype,
-                               (NULL, NULL, tmp_out, tmp_lse) + inputs, tail))
-    seq_lens, sinks_slot, cu_q = inputs[4], inputs[6], inputs[7]
-    launches.append(Launch(get_kernel(rkey, device_id), (num_heads, rows), (rkey.num_threads,),
-                           0, PAGED_REDUCE_PARAMS.dtype,
-                           (out, lse, tmp_out, tmp_lse, seq_lens, sinks_slot, cu_q), rtail))
-    return dict(scratch=(0, tmp_out_bytes), scratch_bytes=tmp_out_bytes + tmp_lse_bytes,
-                launches=tuple(launches))

@@ -15,9 +15,9 @@ import numpy as np
 from .. import _arrays as A
 from .. import tuning
 from .._launch import Launch, Plan, execute, on_device, plan_cache, plan_for, returns
-from ..flash import _check_cu_seqlens
+from .._checks import check_cu_seqlens
 from ..jit import get_kernel
-from ..variants import FLASHINFER_TABLES_PARAMS
+from ..param_structs import FLASHINFER_TABLES_PARAMS
 from .layout import BLOCK_SIZES, MAX_FLASH_CONTEXT, NHD_BLOCK_SIZES
 
 _plans = plan_cache()
@@ -65,7 +65,7 @@ def _check_count(value, name: str, allowed: str) -> int:
 def _plan(arrays, page_size, max_blocks_per_seq) -> Plan:
     """Every check of block_tables_from_flashinfer (raising before any launch) -> its Plan."""
     indptr, indices, last_page_len, out, out_seq_lens = arrays
-    _check_cu_seqlens(indptr, "kv_indptr")
+    check_cu_seqlens(indptr, "kv_indptr")
     batch = indptr.shape[0] - 1
     _check_int32_vector(indices, "kv_indices", None, "(nnz_pages,)")
     if indices.shape[0] > np.iinfo(np.int32).max:

@@ -15,7 +15,9 @@ import functools
 import cupy
 
 from .. import tuning
+from .._launch import NULL, Launch
 from ..jit import Variant, device_info, get_kernel, max_dynamic_smem, set_max_dynamic_smem
+from ..param_structs import PAGED_PARAMS, PAGED_REDUCE_PARAMS
 
 
 class V1TooLong(ValueError):
@@ -119,3 +121,62 @@ FORMS = {"mma": MmaForm(), "simt": SimtForm()}
 def form_for(cache: str, head_size: int, group: int, nhd: bool = False) -> PagedForm:
     """The form tuning chooses (the NHD layout: always the tensor-core form)."""
     return FORMS["mma" if nhd else tuning.paged_form(cache, head_size, group)]
+
+
+# ---- the launches of a decode call, either form ---------------------------------------------
+
+# A window side no position reaches (window_bound): the kernels' int32 positions stay below.
+_UNBOUNDED = 2**30
+
+
+def window_bound(side: int) -> int:
+    """A window side for PagedParams (window_left / window_right): -1 (unbounded) becomes
+    a value no position reaches."""
+    return _UNBOUNDED if side < 0 else min(side, _UNBOUNDED)
+
+
+def decode_launches(form, key_for, version: str, partition_size: int, v1, *, grid: tuple,
+                    rows: int, max_context: int, sinks: bool, slots: tuple, fields: dict,
+                    device_id: int) -> dict:
+    """The launches of a checked decode call (paged_attention, and paged_prefill's few-token
+    form) as Plan fields: v1 alone, or v2's main kernel and its reduce over scratch.
+
+    key_for(partition_size): the main kernel's variant. v1: form.v1_launch's (kernel, shared
+    memory, logits_stride) when version is "v1". grid: (head groups, sequences); rows: the
+    query rows (sequences, or total_q for multi-token decode). slots: the pointer slots of
+    out, lse, tmp_out, tmp_lse, q, k_cache, v_cache, block_tables, seq_lens, alibi_slopes,
+    sinks, cu_seqlens_q, k_scales, v_scales. fields: every other PagedParams field but
+    max_parts and logits_stride (the out / lse strides those of the final output).
+    """
+    out, lse, tmp_out, tmp_lse, *inputs = slots
+    inputs = tuple(inputs)
+    if version == "v1":
+        kernel, smem, logits_stride = v1
+        tail = PAGED_PARAMS.tail(max_parts=1, logits_stride=logits_stride, **fields)
+        return dict(launches=(Launch(kernel, grid + (1,), (key_for(0).num_threads,), smem,
+                                     PAGED_PARAMS.dtype, (out, lse, NULL, NULL) + inputs,
+                                     tail),))
+    key = key_for(partition_size)
+    head_size, num_heads = key.head_size, fields["num_heads"]
+    rkey = tuning.paged_reduce_variant(key.dtype, head_size, sinks=sinks)
+    max_parts = max(1, -(-max_context // partition_size))
+    tmp_out_bytes = rows * num_heads * max_parts * head_size * 4   # a multiple of 16
+    tmp_lse_bytes = rows * num_heads * max_parts * 4
+    tail = PAGED_PARAMS.tail(max_parts=max_parts, logits_stride=form.logits_stride(key),
+                             **fields)   # (v2 writes tmp_out / tmp_lse: out strides unused)
+    final = {n: fields[n] for n in ("out_stride_seq", "out_stride_head", "lse_stride_head",
+                                    "lse_stride_seq")}
+    rtail = PAGED_REDUCE_PARAMS.tail(**final, num_heads=num_heads, max_parts=max_parts,
+                                     partition_size=partition_size, max_seq_len=max_context,
+                                     num_seqs=fields["num_seqs"])
+    launches = []
+    if max_context > 0:     # else every sequence is empty: the reduce writes zeros alone
+        launches.append(Launch(get_kernel(key, device_id), grid + (max_parts,),
+                               (key.num_threads,), key.dynamic_smem_bytes, PAGED_PARAMS.dtype,
+                               (NULL, NULL, tmp_out, tmp_lse) + inputs, tail))
+    seq_lens, sinks_slot, cu_q = inputs[4], inputs[6], inputs[7]
+    launches.append(Launch(get_kernel(rkey, device_id), (num_heads, rows), (rkey.num_threads,),
+                           0, PAGED_REDUCE_PARAMS.dtype,
+                           (out, lse, tmp_out, tmp_lse, seq_lens, sinks_slot, cu_q), rtail))
+    return dict(scratch=(0, tmp_out_bytes), scratch_bytes=tmp_out_bytes + tmp_lse_bytes,
+                launches=tuple(launches))

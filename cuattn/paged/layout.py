@@ -21,7 +21,7 @@ import numpy as np
 
 from .. import _arrays as A
 from .._dtypes import BY_SHORT, FP8_E4M3, UINT8_E4M3
-from ..flash import MAX_HEAD_DIM
+from .._checks import MAX_HEAD_DIM
 from ..tuning import PAGED_DECODE_HEAD_SIZES
 
 HEAD_SIZES = PAGED_DECODE_HEAD_SIZES                           # paged_attention

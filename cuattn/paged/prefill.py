@@ -17,6 +17,7 @@ inside the arrays (seq_lens, block_tables, cu_seqlens_q) are never read on the h
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
@@ -26,13 +27,13 @@ from .. import _tma, tuning
 from .._dtypes import ACTIVATION_DTYPES, FP8_E4M3, UINT8_E4M3, activation_dtype
 from .._hooks import alibi_stride, check_hooks, hook_fields
 from .._launch import NULL, Plan, execute, on_device, plan_cache, plan_for, returns
-from ..flash import _MAX_GRID_YZ, Call, QuantizeQ, _check_cu_seqlens, _check_fp8, _check_options
+from .._checks import MAX_GRID_YZ, MAX_SEQLEN, check_cu_seqlens, check_fp8, check_options
+from ..flash import Call, QuantizeQ
 from ..flash import _plan as flash_plan
 from ..jit import device_info
-from ..variants import FEAT_ALIBI, FEAT_SINKS, FEAT_SOFTCAP, KV_PAGED_NHD, KV_PAGED_VLLM
+from ..constants import FEAT_ALIBI, FEAT_SINKS, FEAT_SOFTCAP, KV_PAGED_NHD, KV_PAGED_VLLM
 from . import scales
-from .attention import decode_launches, window_bound
-from .forms import FORMS
+from .forms import FORMS, decode_launches, window_bound
 from .layout import (PREFILL_HEAD_SIZES, check_caches, check_flash_context, check_head_size,
                      check_layout, check_tables)
 
@@ -40,7 +41,6 @@ _plans = plan_cache()
 _NAMES = ("q", "k_cache", "v_cache", "block_tables", "seq_lens", "cu_seqlens_q", "alibi_slopes",
           "sinks", "k_scale", "v_scale", "q_scale", "q_descale", "out")
 _Q_DOC = "(total_q, nheads, head_size)"
-_MAX_SEQLEN = 2**29
 
 
 def paged_prefill(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, *,
@@ -110,16 +110,16 @@ def _plan(arrays, max_seqlen_q, causal, softmax_scale, window_size, softcap, k_s
     if info.num_kv_heads == 0 or nheads % info.num_kv_heads:
         raise ValueError(f"q: nheads {nheads} is not a multiple of the caches' nheads_kv "
                          f"{info.num_kv_heads}")
-    _check_cu_seqlens(cu_q, "cu_seqlens_q")
+    check_cu_seqlens(cu_q, "cu_seqlens_q")
     num_seqs = cu_q.shape[0] - 1
     check_tables(block_tables, seq_lens, num_seqs)   # num_seqs: cu_seqlens_q has num_seqs + 1
     if isinstance(max_seqlen_q, bool) or not isinstance(max_seqlen_q, (int, np.integer)):
         raise TypeError(f"max_seqlen_q: expected an int, got {type(max_seqlen_q).__name__}")
-    if not 0 <= max_seqlen_q < _MAX_SEQLEN:
+    if not 0 <= max_seqlen_q < MAX_SEQLEN:
         raise ValueError(f"max_seqlen_q: expected 0 <= max_seqlen_q < 2**29, got {max_seqlen_q}")
     max_seqlen_q = int(max_seqlen_q)
     check_flash_context(block_tables, info.block_size)
-    softmax_scale, left, right, num_splits, return_lse = _check_options(
+    softmax_scale, left, right, num_splits, return_lse = check_options(
         causal, softmax_scale, window_size, num_splits, return_lse, head_size)
     device_id = q.device.id
     A.check_same_device({"k_cache": k_cache, "v_cache": v_cache, "block_tables": block_tables,
@@ -138,13 +138,12 @@ def _plan(arrays, max_seqlen_q, causal, softmax_scale, window_size, softcap, k_s
                             num_args=len(arrays), kv_layout=kv_layout,
                             alibi_stride_seq=alibi_stride(alibi_slopes))
 
-    return flash_form_plan(q, k_cache, v_cache, block_tables, info, kv_layout, dtype=dtype,
-                           features=features, softcap=softcap, softmax_scale=softmax_scale,
-                           left=left, right=right, num_splits=num_splits, k_scale=k_scale,
-                           v_scale=v_scale, out=out, return_lse=return_lse,
-                           alibi_stride=alibi_stride(alibi_slopes),
-                           num_args=len(arrays), max_seqlen_q=max_seqlen_q, causal=causal,
-                           fp8_math=fp8_math)
+    return flash_form_plan(PagedFlashCall(
+        q, k_cache, v_cache, block_tables, info, kv_layout, dtype=dtype, features=features,
+        softcap=softcap, softmax_scale=softmax_scale, left=left, right=right,
+        num_splits=num_splits, k_scale=k_scale, v_scale=v_scale, out=out,
+        return_lse=return_lse, alibi_stride=alibi_stride(alibi_slopes), num_args=len(arrays),
+        max_seqlen_q=max_seqlen_q, fp8_math=fp8_math))
 
 
 class Fp8Math(NamedTuple):
@@ -184,13 +183,13 @@ def _check_fp8_math(q, q_array, q_scale, q_descale, out, info, kv_layout, dtype,
                          f"{tuning.PREFILL_SM90_MIN_BLOCK} tokens; k_cache has {info.block_size}")
     if fp8_q and out is not None and out.dtype not in ACTIVATION_DTYPES:
         raise ValueError(f"out: an e4m3 q writes float16 or ml_dtypes.bfloat16, got {out.dtype}")
-    if not fp8_q:    # (an e4m3 q: _check_fp8's own, naming q)
+    if not fp8_q:    # (an e4m3 q: check_fp8's own, naming q)
         arch = device_info(q.device.id).arch
         if arch != tuning.SM90_ARCH:
             raise ValueError(f"q_scale: FP8 math (e4m3 queries) runs on Hopper (sm_90) GPUs "
                              f"only; this device is {arch}")
     q8 = q if fp8_q else _tma.ArraySpec.contiguous(q.shape, 1)
-    out_type, fields = _check_fp8(FP8_E4M3, out.dtype if fp8_q and out is not None else None,
+    out_type, fields = check_fp8(FP8_E4M3, out.dtype if fp8_q and out is not None else None,
                                   (q_descale, None, None), num_seqs, info.num_kv_heads,
                                   q.device.id, (q8,) + tuple(caches))
     if not fp8_q:
@@ -203,12 +202,42 @@ def _check_fp8_math(q, q_array, q_scale, q_descale, out, info, kv_layout, dtype,
     return Fp8Math(out_type, quant, q8, fields)
 
 
-def flash_form_plan(q, k_cache, v_cache, block_tables, info, kv_layout, *, dtype, features,
-                    softcap, softmax_scale, left, right, num_splits, k_scale, v_scale, out,
-                    return_lse, num_args, max_seqlen_q=1, causal=True, decode=False,
-                    capacity=None, new_keys=0, hopper_ok=True, alibi_stride=0,
-                    fp8_math: Fp8Math | None = None) -> Plan:
-    """The flash form of a checked call: flash's _plan over a paged Call. paged_prefill's
+@dataclass(frozen=True)
+class PagedFlashCall:
+    """A checked call of the flash kernel over a paged cache, as flash_form_plan takes it
+    (paged_prefill, paged_attention's NHD calls, flash_with_kvcache): the arrays, the
+    caches' CacheInfo and layout, and the checked options; flash_form_plan says what the
+    optional fields change."""
+    q: object
+    k_cache: object
+    v_cache: object
+    block_tables: object
+    info: object                # layout.CacheInfo
+    kv_layout: str
+    dtype: object               # cuattn._dtypes entry of q
+    features: int               # FEAT_* bits
+    softcap: float
+    softmax_scale: float
+    left: int                   # the checked window
+    right: int
+    num_splits: int
+    k_scale: object             # scales.Scale
+    v_scale: object
+    out: object                 # the out= argument or None
+    return_lse: bool
+    num_args: int               # array arguments of the call, out= last
+    max_seqlen_q: int = 1
+    decode: bool = False
+    capacity: int | None = None
+    new_keys: int = 0
+    hopper_ok: bool = True
+    alibi_stride: int = 0
+    fp8_math: Fp8Math | None = None
+
+
+def flash_form_plan(c: PagedFlashCall) -> Plan:
+    """The flash form of a checked call (PagedFlashCall): flash's _plan over a paged Call.
+    paged_prefill's
     (arguments q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, alibi_slopes, sinks,
     k_scale, v_scale, out): the packed rows of cu_seqlens_q, max_seqlen_q the longest. decode
     (paged_attention's NHD calls the tensor-core form cannot take; arguments q .. seq_lens,
@@ -220,25 +249,25 @@ def flash_form_plan(q, k_cache, v_cache, block_tables, info, kv_layout, *, dtype
     k_scale / v_scale: scales.Scale (NONE for 16-bit caches); alibi_slopes (num_seqs, nheads)
     are read with the row stride alibi_stride. fp8_math: paged_prefill's FP8 form (its
     checks passed: _check_fp8_math), whose kernel reads the scales as descales."""
-    total_q, nheads, _ = q.shape
-    num_seqs = block_tables.shape[0]
-    if capacity is None:
-        capacity = block_tables.shape[1] * info.block_size
-    head_size = info.head_size
-    fp8 = info.cache == "e4m3"
+    total_q, nheads, _ = c.q.shape
+    num_seqs = c.block_tables.shape[0]
+    capacity = c.block_tables.shape[1] * c.info.block_size if c.capacity is None else c.capacity
+    head_size = c.info.head_size
+    fp8 = c.info.cache == "e4m3"
     # fp8: the kernel widens K and V exactly (every e4m3 value is a 16-bit float); k_scale
     # joins the softmax scale, through which every hook and the lse see the scores, and the
     # kernel multiplies the output by v_scale. (Widened times the scales, every element
     # rounded to 16 bits first: lse errors up to ~1e-2, found by the fuzz's NHD fp8 cases.)
+    softmax_scale = c.softmax_scale
     if fp8:
-        softmax_scale *= k_scale.factor
-    if fp8_math is not None and fp8_math.quantize is not None:
-        softmax_scale *= fp8_math.quantize.factor
-    os_ = A.element_strides_or_contiguous(out, q.shape)
-    qs = A.element_strides(q)
+        softmax_scale *= c.k_scale.factor
+    if c.fp8_math is not None and c.fp8_math.quantize is not None:
+        softmax_scale *= c.fp8_math.quantize.factor
+    os_ = A.element_strides_or_contiguous(c.out, c.q.shape)
+    qs = A.element_strides(c.q)
     lse_shape = (nheads, total_q)
-    ls = A.element_strides_or_contiguous(None, lse_shape) if return_lse else (0, 0)
-    if decode:    # batch b = sequence b, its row 0
+    ls = A.element_strides_or_contiguous(None, lse_shape) if c.return_lse else (0, 0)
+    if c.decode:    # batch b = sequence b, its row 0
         rows = dict(q_stride_batch=qs[0], q_stride_row=qs[0], o_stride_batch=os_[0],
                     o_stride_row=os_[0], lse_stride_batch=ls[1], lse_stride_row=0, seqlen_q=1)
         args = dict(q=0, k=1, v=2, block_tables=3, seqused_k=4, alibi_slopes=5, sinks=6)
@@ -249,68 +278,68 @@ def flash_form_plan(q, k_cache, v_cache, block_tables, info, kv_layout, *, dtype
                     sinks=7)
     # (the FP8 form reads the cache scales as its k / v descales, q_scale as q's)
     descales = {}
-    for i, (name, scale) in enumerate((("k", k_scale), ("v", v_scale))):
+    for i, (name, scale) in enumerate((("k", c.k_scale), ("v", c.v_scale))):
         if scale.on_device:       # the arguments after sinks
-            field = f"{name}_descale" if fp8_math is not None else f"{name}_scales"
+            field = f"{name}_descale" if c.fp8_math is not None else f"{name}_scales"
             args[field] = args["sinks"] + 1 + i
-        if fp8_math is not None:
+        if c.fp8_math is not None:
             descales.update({f"{name}_descale_stride_batch": 0,
                              f"{name}_descale_stride_head": scale.stride})
-    if fp8_math is not None:
-        quant = fp8_math.quantize
+    if c.fp8_math is not None:
+        quant = c.fp8_math.quantize
         if quant is None:
             args["q_descale"] = _Q_DESCALE
-            descales.update(fp8_math.fields)
+            descales.update(c.fp8_math.fields)
         elif quant.arg is not None:
             args["q_descale"] = quant.arg
             descales.update(q_descale_stride_batch=0, q_descale_stride_head=quant.stride)
     # The caches' strides (layout.CacheInfo.strides) under FlashFwdParams' names: a token's
     # slot is its K / V "row", a 16-byte vector of K its "chunk".
-    s = info.strides(k_cache, v_cache)
+    s = c.info.strides(c.k_cache, c.v_cache)
     cache = dict(k_stride_block=s["k_stride_block"], k_stride_head=s["k_stride_head"],
                  k_stride_row=s["k_stride_token"], k_stride_chunk=s["k_stride_x"],
                  v_stride_block=s["v_stride_block"], v_stride_head=s["v_stride_head"],
                  v_stride_row=s["v_stride_token"], v_stride_dim=s["v_stride_dim"])
-    kv = KV_PAGED_NHD if kv_layout == "nhd" else KV_PAGED_VLLM
-    max_blocks = block_tables.shape[1]
+    kv = KV_PAGED_NHD if c.kv_layout == "nhd" else KV_PAGED_VLLM
+    max_blocks = c.block_tables.shape[1]
     fields = dict(
         **rows, q_stride_head=qs[1], k_stride_batch=0, v_stride_batch=0, o_stride_head=os_[1],
-        lse_stride_head=ls[0], bt_stride_seq=block_tables.strides[0] // 4,
-        block_shift=info.block_size.bit_length() - 1, max_blocks_per_seq=max_blocks,
-        seqlen_k=capacity, new_keys=new_keys, v_scale=v_scale.factor,
-        **scales.fields(k_scale, v_scale), alibi_stride_batch=alibi_stride, **cache, **descales)
-    group = nheads // info.num_kv_heads
-    device_id = q.device.id
+        lse_stride_head=ls[0], bt_stride_seq=c.block_tables.strides[0] // 4,
+        block_shift=c.info.block_size.bit_length() - 1, max_blocks_per_seq=max_blocks,
+        seqlen_k=capacity, new_keys=c.new_keys, v_scale=c.v_scale.factor,
+        **scales.fields(c.k_scale, c.v_scale), alibi_stride_batch=c.alibi_stride, **cache, **descales)
+    group = nheads // c.info.num_kv_heads
+    device_id = c.q.device.id
     arch = device_info(device_id).arch
-    hopper = hopper_ok and not decode and tuning.paged_prefill_path(arch, head_size, kv_layout,
-                                                      info.block_size, info.cache) == "wgmma" \
-        and _tma.encodable(dtype.short, (q, k_cache, v_cache), kv_layout)
+    hopper = c.hopper_ok and not c.decode and tuning.paged_prefill_path(arch, head_size, c.kv_layout,
+                                                      c.info.block_size, c.info.cache) == "wgmma" \
+        and _tma.encodable(c.dtype.short, (c.q, c.k_cache, c.v_cache), c.kv_layout)
 
     def variant_for(split: bool, mask: int):
-        if fp8_math is not None:
+        if c.fp8_math is not None:
             return tuning.flash_sm90_variant("e4m3", head_size, mask=mask, split=split,
-                                             features=features, tma=True,
-                                             seqlen_q=max_seqlen_q, kv=kv,
-                                             out=fp8_math.out_type.short)
+                                             features=c.features, tma=True,
+                                             seqlen_q=c.max_seqlen_q, kv=kv,
+                                             out=c.fp8_math.out_type.short)
         if hopper:
-            return tuning.flash_sm90_variant(dtype.short, head_size, mask=mask, split=split,
-                                             features=features, tma=True,
-                                             seqlen_q=max_seqlen_q, kv=kv)
-        return tuning.paged_prefill_variant(dtype.short, head_size, mask=mask, split=split,
-                                            arch=arch, kv=kv, features=features,
-                                            rows=max_seqlen_q * group, fp8=fp8)
-    if fp8_math is not None:
-        kernel = dict(dtype=FP8_E4M3, pack=1, qkv=(fp8_math.q8, k_cache, v_cache),
-                      out_dtype=fp8_math.out_type, quantize_q=fp8_math.quantize)
+            return tuning.flash_sm90_variant(c.dtype.short, head_size, mask=mask, split=split,
+                                             features=c.features, tma=True,
+                                             seqlen_q=c.max_seqlen_q, kv=kv)
+        return tuning.paged_prefill_variant(c.dtype.short, head_size, mask=mask, split=split,
+                                            arch=arch, kv=kv, features=c.features,
+                                            rows=c.max_seqlen_q * group, fp8=fp8)
+    if c.fp8_math is not None:
+        kernel = dict(dtype=FP8_E4M3, pack=1, qkv=(c.fp8_math.q8, c.k_cache, c.v_cache),
+                      out_dtype=c.fp8_math.out_type, quantize_q=c.fp8_math.quantize)
     else:
-        kernel = dict(dtype=dtype, pack=1 if hopper else group,
-                      qkv=(q, k_cache, v_cache) if hopper else None)
+        kernel = dict(dtype=c.dtype, pack=1 if hopper else group,
+                      qkv=(c.q, c.k_cache, c.v_cache) if hopper else None)
     return flash_plan(Call(
-        device_id=device_id, q=q, nheads_kv=info.num_kv_heads, out=out,
-        lse_shape=lse_shape if return_lse else None, num_args=num_args, out_arg=num_args - 1,
-        args=args, softmax_scale=softmax_scale, left=left, right=right,
-        num_splits=num_splits, features=features, softcap=softcap, batch=num_seqs,
-        max_sq=max_seqlen_q, max_sk=capacity, total_q=total_q,
+        device_id=device_id, q=c.q, nheads_kv=c.info.num_kv_heads, out=c.out,
+        lse_shape=lse_shape if c.return_lse else None, num_args=c.num_args, out_arg=c.num_args - 1,
+        args=args, softmax_scale=softmax_scale, left=c.left, right=c.right,
+        num_splits=c.num_splits, features=c.features, softcap=c.softcap, batch=num_seqs,
+        max_sq=c.max_seqlen_q, max_sk=capacity, total_q=total_q,
         fields=fields, variant_for=variant_for, **kernel))
 
 
@@ -323,8 +352,8 @@ def _decode_plan(q, info, block_tables, num_seqs, max_seqlen_q, dtype, features,
     when none does)."""
     total_q, nheads, head_size = q.shape
     device_id = q.device.id
-    if num_seqs > _MAX_GRID_YZ:
-        raise ValueError(f"q: batch {num_seqs} must be <= {_MAX_GRID_YZ} (grid dimensions)")
+    if num_seqs > MAX_GRID_YZ:
+        raise ValueError(f"q: batch {num_seqs} must be <= {MAX_GRID_YZ} (grid dimensions)")
     gqa = nheads // info.num_kv_heads
     tokens, group = tuning.paged_multi_token(head_size, gqa, max_seqlen_q)
     max_context = block_tables.shape[1] * info.block_size

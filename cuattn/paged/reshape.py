@@ -12,7 +12,7 @@ from .. import tuning
 from .._dtypes import activation_dtype
 from .._launch import Launch, Plan, Slots, execute, on_device, plan_cache, plan_for
 from ..jit import get_kernel
-from ..variants import RESHAPE_PARAMS
+from ..param_structs import RESHAPE_PARAMS
 from . import scales
 from .layout import PREFILL_HEAD_SIZES, check_caches, check_head_size, check_layout
 

@@ -1,9 +1,9 @@
-"""The variant keys of every kernel and their parameter structs: the Python mirror of cuda_src/.
+"""The variant keys of every kernel: the Python mirror of cuda_src/'s traits types.
 
 Each key is pure data (cuattn.jit.Variant): the values of one C++ traits type, which the
-generated entry point instantiates; ``cuattn.tuning`` is what chooses them. Each params
-struct mirrors a header under cuda_src/params/. ``shipped(ops)`` is the set
-``python -m cuattn precompile`` builds by default.
+generated entry point instantiates; ``cuattn.tuning`` is what chooses them. A field
+declares its part of the kernel's symbol and its template argument (key_field); a key
+writes name_parts / traits_args out only where they are more than its fields in order.
 """
 from __future__ import annotations
 
@@ -11,178 +11,75 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from ._dtypes import BY_SHORT
-from .jit import ParamsStruct, Variant
+from .constants import (FEAT_ALIBI, FEAT_PACK_GQA, FEAT_SINKS, FEAT_SOFTCAP, KV_DENSE,
+                        KV_PAGED_NHD, KV_PAGED_VLLM, MASK_CAUSAL, MASK_NONE, MASK_WINDOW,
+                        SM90_ARCH)
+from .jit import ParamsStruct, Variant, key_field
+from .param_structs import (FLASH_BWD_PARAMS, FLASH_PARAMS, FLASHINFER_TABLES_PARAMS,
+                            KVCACHE_APPEND_PARAMS, MERGE_PARAMS, PAGED_PARAMS,
+                            PAGED_REDUCE_PARAMS, QUANTIZE_PARAMS, RESHAPE_PARAMS)
 
-# ---- params structs (cuda_src/params/*.cuh) ---------------------------------------------------
+# ---- how fields spell themselves ---------------------------------------------------------------
 
-FLASH_PARAMS = ParamsStruct("FlashFwdParams", [
-    ("q", "ptr"), ("k", "ptr"), ("v", "ptr"), ("out", "out"), ("lse", "out"),
-    ("oaccum", "out"), ("lseaccum", "out"), ("cu_seqlens_q", "ptr"), ("cu_seqlens_k", "ptr"),
-    ("block_tables", "ptr"), ("seqused_k", "ptr"), ("alibi_slopes", "ptr"), ("sinks", "ptr"),
-    ("k_scales", "ptr"), ("v_scales", "ptr"), ("q_descale", "ptr"), ("k_descale", "ptr"),
-    ("v_descale", "ptr"),
-    ("q_stride_batch", "i64"), ("q_stride_row", "i64"), ("q_stride_head", "i64"),
-    ("k_stride_batch", "i64"), ("k_stride_row", "i64"), ("k_stride_head", "i64"),
-    ("v_stride_batch", "i64"), ("v_stride_row", "i64"), ("v_stride_head", "i64"),
-    ("o_stride_batch", "i64"), ("o_stride_row", "i64"), ("o_stride_head", "i64"),
-    ("lse_stride_batch", "i64"), ("lse_stride_head", "i64"), ("lse_stride_row", "i64"),
-    ("k_stride_block", "i64"), ("v_stride_block", "i64"), ("k_stride_chunk", "i64"),
-    ("v_stride_dim", "i64"), ("bt_stride_seq", "i64"),
-    ("batch", "i32"), ("num_heads", "i32"), ("head_group", "i32"), ("seqlen_q", "i32"),
-    ("seqlen_k", "i32"), ("total_q", "i32"), ("head_dim", "i32"), ("window_left", "i32"),
-    ("window_right", "i32"), ("num_splits", "i32"), ("block_shift", "i32"),
-    ("max_blocks_per_seq", "i32"), ("new_keys", "i32"),
-    ("scale_log2", "f32"), ("softmax_scale_inv", "f32"), ("softcap_in", "f32"),
-    ("softcap_out", "f32"), ("v_scale", "f32"), ("m_blocks", "i32"),
-    ("k_scales_stride", "i32"), ("v_scales_stride", "i32"), ("alibi_stride_batch", "i32"),
-    ("q_descale_stride_batch", "i32"), ("q_descale_stride_head", "i32"),
-    ("k_descale_stride_batch", "i32"), ("k_descale_stride_head", "i32"),
-    ("v_descale_stride_batch", "i32"), ("v_descale_stride_head", "i32"),
-])
-
-FLASH_BWD_PARAMS = ParamsStruct("FlashBwdParams", [
-    ("q", "ptr"), ("k", "ptr"), ("v", "ptr"), ("out", "ptr"), ("dout", "ptr"), ("lse", "ptr"),
-    ("dq", "out"), ("dk", "out"), ("dv", "out"), ("dq_accum", "out"), ("dsum", "out"),
-    ("lse2", "out"), ("cu_seqlens_q", "ptr"), ("cu_seqlens_k", "ptr"), ("alibi_slopes", "ptr"),
-    ("sinks", "ptr"), ("dsinks", "out"),
-    ("q_stride_batch", "i64"), ("q_stride_row", "i64"), ("q_stride_head", "i64"),
-    ("k_stride_batch", "i64"), ("k_stride_row", "i64"), ("k_stride_head", "i64"),
-    ("v_stride_batch", "i64"), ("v_stride_row", "i64"), ("v_stride_head", "i64"),
-    ("o_stride_batch", "i64"), ("o_stride_row", "i64"), ("o_stride_head", "i64"),
-    ("do_stride_batch", "i64"), ("do_stride_row", "i64"), ("do_stride_head", "i64"),
-    ("dq_stride_batch", "i64"), ("dq_stride_row", "i64"), ("dq_stride_head", "i64"),
-    ("dk_stride_batch", "i64"), ("dk_stride_row", "i64"), ("dk_stride_head", "i64"),
-    ("dv_stride_batch", "i64"), ("dv_stride_row", "i64"), ("dv_stride_head", "i64"),
-    ("lse_stride_batch", "i64"), ("lse_stride_head", "i64"), ("lse_stride_row", "i64"),
-    ("batch", "i32"), ("num_heads", "i32"), ("head_group", "i32"), ("seqlen_q", "i32"),
-    ("seqlen_k", "i32"), ("total_q", "i32"), ("head_dim", "i32"), ("window_left", "i32"),
-    ("window_right", "i32"), ("dq_slices", "i32"), ("deterministic", "i32"),
-    ("scale_log2", "f32"), ("softmax_scale", "f32"), ("softmax_scale_inv", "f32"),
-    ("softcap_in", "f32"), ("softcap_out", "f32"), ("alibi_stride_batch", "i32"),
-    ("lpt_group", "i32"),
-])
-
-MERGE_PARAMS = ParamsStruct("MergeParams", [
-    ("out", "out"), ("out_lse", "out"),
-    ("a_out", "ptr"), ("a_lse", "ptr"), ("b_out", "ptr"), ("b_lse", "ptr"),
-    ("out_stride_token", "i64"), ("out_stride_head", "i64"),
-    ("lse_stride_head", "i64"), ("lse_stride_token", "i64"),
-    ("a_stride_token", "i64"), ("a_stride_head", "i64"),
-    ("a_lse_stride_head", "i64"), ("a_lse_stride_token", "i64"),
-    ("b_stride_token", "i64"), ("b_stride_head", "i64"),
-    ("b_lse_stride_head", "i64"), ("b_lse_stride_token", "i64"),
-    ("state_stride", "i64"), ("lse_state_stride", "i64"),
-    ("num_states", "i32"), ("num_tokens", "i32"), ("num_heads", "i32"),
-])
-
-PAGED_PARAMS = ParamsStruct("PagedParams", [
-    ("out", "out"), ("lse", "out"), ("tmp_out", "out"), ("tmp_lse", "out"), ("q", "ptr"),
-    ("k_cache", "ptr"), ("v_cache", "ptr"), ("block_tables", "ptr"), ("seq_lens", "ptr"),
-    ("alibi_slopes", "ptr"), ("sinks", "ptr"), ("cu_seqlens_q", "ptr"), ("k_scales", "ptr"),
-    ("v_scales", "ptr"),
-    ("q_stride_seq", "i64"), ("q_stride_head", "i64"),
-    ("out_stride_seq", "i64"), ("out_stride_head", "i64"),
-    ("lse_stride_head", "i64"), ("lse_stride_seq", "i64"),
-    ("k_stride_block", "i64"), ("k_stride_head", "i64"), ("k_stride_x", "i64"),
-    ("k_stride_token", "i64"),
-    ("v_stride_block", "i64"), ("v_stride_head", "i64"), ("v_stride_dim", "i64"),
-    ("v_stride_token", "i64"), ("bt_stride_seq", "i64"),
-    ("scale_log2", "f32"), ("v_scale", "f32"), ("softcap_in", "f32"), ("softcap_out", "f32"),
-    ("num_seqs", "i32"), ("num_heads", "i32"), ("gqa_ratio", "i32"),
-    ("max_blocks_per_seq", "i32"), ("max_parts", "i32"), ("logits_stride", "i32"),
-    ("window_left", "i32"), ("window_right", "i32"), ("k_scales_stride", "i32"),
-    ("v_scales_stride", "i32"), ("alibi_stride_seq", "i32"),
-])
-
-PAGED_REDUCE_PARAMS = ParamsStruct("PagedReduceParams", [
-    ("out", "out"), ("lse", "out"), ("tmp_out", "ptr"), ("tmp_lse", "ptr"), ("seq_lens", "ptr"),
-    ("sinks", "ptr"), ("cu_seqlens_q", "ptr"),
-    ("out_stride_seq", "i64"), ("out_stride_head", "i64"),
-    ("lse_stride_head", "i64"), ("lse_stride_seq", "i64"),
-    ("num_heads", "i32"), ("max_parts", "i32"), ("partition_size", "i32"),
-    ("max_seq_len", "i32"), ("num_seqs", "i32"),
-])
-
-RESHAPE_PARAMS = ParamsStruct("ReshapeCacheParams", [
-    ("key", "ptr"), ("value", "ptr"), ("k_cache", "out"), ("v_cache", "out"),
-    ("slot_mapping", "ptr"), ("k_scales", "ptr"), ("v_scales", "ptr"),
-    ("key_stride_token", "i64"), ("key_stride_head", "i64"),
-    ("value_stride_token", "i64"), ("value_stride_head", "i64"),
-    ("k_stride_block", "i64"), ("k_stride_head", "i64"), ("k_stride_x", "i64"),
-    ("k_stride_token", "i64"),
-    ("v_stride_block", "i64"), ("v_stride_head", "i64"), ("v_stride_dim", "i64"),
-    ("v_stride_token", "i64"),
-    ("k_scale", "f32"), ("v_scale", "f32"),
-    ("num_tokens", "i32"), ("num_kv_heads", "i32"), ("head_size", "i32"), ("block_size", "i32"),
-    ("k_scales_stride", "i32"), ("v_scales_stride", "i32"),
-])
-
-FLASHINFER_TABLES_PARAMS = ParamsStruct("FlashInferTablesParams", [
-    ("kv_indptr", "ptr"), ("kv_indices", "ptr"), ("kv_last_page_len", "ptr"),
-    ("block_tables", "out"), ("seq_lens", "out"),
-    ("bt_stride_seq", "i64"),
-    ("num_indices", "i32"), ("max_blocks_per_seq", "i32"), ("page_size", "i32"),
-])
-
-KVCACHE_APPEND_PARAMS = ParamsStruct("KvCacheAppendParams", [
-    ("k", "ptr"), ("v", "ptr"), ("cache_seqlens", "ptr"), ("cache_batch_idx", "ptr"),
-    ("k_cache", "out"), ("v_cache", "out"),
-    ("k_stride_batch", "i64"), ("k_stride_row", "i64"), ("k_stride_head", "i64"),
-    ("v_stride_batch", "i64"), ("v_stride_row", "i64"), ("v_stride_head", "i64"),
-    ("kc_stride_batch", "i64"), ("kc_stride_row", "i64"), ("kc_stride_head", "i64"),
-    ("vc_stride_batch", "i64"), ("vc_stride_row", "i64"), ("vc_stride_head", "i64"),
-    ("num_heads_kv", "i32"), ("head_dim", "i32"), ("seqlen_cache", "i32"),
-    ("batch_cache", "i32"), ("cache_len", "i32"),
-])
-
-QUANTIZE_PARAMS = ParamsStruct("QuantizeE4m3Params", [
-    ("x", "ptr"), ("out", "out"), ("scales", "ptr"),
-    ("x_stride_row", "i64"), ("x_stride_head", "i64"),
-    ("out_stride_row", "i64"), ("out_stride_head", "i64"),
-    ("scale", "f32"), ("num_heads", "i32"), ("head_dim", "i32"), ("head_group", "i32"),
-    ("scales_stride", "i32"),
-])
-
-# Mask kinds of the flash kernel (cuda_src/common/mask.cuh kMask*).
-MASK_NONE, MASK_CAUSAL, MASK_WINDOW = 0, 1, 2
 _MASK_NAMES = {MASK_NONE: "c0", MASK_CAUSAL: "c1", MASK_WINDOW: "win"}
-# K/V sources of the flash kernel (cuda_src/flash_fwd.cuh kKv*): dense, or a paged cache.
-KV_DENSE, KV_PAGED_NHD, KV_PAGED_VLLM = 0, 1, 2
 _KV_NAMES = {KV_DENSE: (), KV_PAGED_NHD: ("nhd",), KV_PAGED_VLLM: ("vllm",)}
-# Feature bits of the flash kernel (cuda_src/flash_fwd.cuh k*): logits hooks, sinks, and the
-# query heads of one KV head packed into a block's rows.
-FEAT_SOFTCAP, FEAT_ALIBI, FEAT_SINKS, FEAT_PACK_GQA = 1, 2, 4, 8
 _FEATURE_NAMES = ((FEAT_SOFTCAP, "cap"), (FEAT_ALIBI, "alibi"), (FEAT_SINKS, "sink"),
                   (FEAT_PACK_GQA, "gqa"))
 
 
-def _feature_parts(features: int) -> tuple[str, ...]:
-    """The name parts of a flash kernel's FEAT_* bits."""
+def _features(features: int) -> tuple[str, ...]:
     return tuple(name for bit, name in _FEATURE_NAMES if features & bit)
 
 
-# The architecture of the Hopper forward kernel (sm_90a machine code runs on sm_90 only).
-SM90_ARCH = "sm_90"
+def _flag(word: str):
+    """The name part of a bool field: ``word`` when set."""
+    return lambda on: (word,) if on else ()
 
+
+def _cpp_type(short: str) -> tuple:
+    return (BY_SHORT[short].cpp,)
+
+
+def _dtype(prefix: str = "", **field_args):
+    """A dtype field (f16 / bf16 / e4m3): its short name in the symbol, its C++ type in the
+    traits."""
+    return key_field(prefix + "{}", cpp=_cpp_type, **field_args)
+
+
+def _mask(mask: int) -> tuple[str, ...]:
+    return (_MASK_NAMES[mask],)
+
+
+def _partition(partition_size: int) -> tuple[str, ...]:
+    return (f"p{partition_size}" if partition_size else "v1",)     # 0: v1 (whole sequence)
+
+
+def _alibi(on: bool) -> tuple[str, ...]:
+    return (f"a{int(on)}",)
 
 # ---- flash (cuda_src/flash_fwd.cuh) -------------------------------------------------------------
 
 @dataclass(frozen=True)
 class FlashFwdVariant(Variant):
-    dtype: str            # f16 / bf16
-    head_dim: int         # compiled head dim (a multiple of 32)
-    block_m: int
-    block_n: int
-    num_warps: int
-    stages: int
-    mask: int             # MASK_NONE / MASK_CAUSAL / MASK_WINDOW
-    split: bool           # write fp32 partials for the split-KV combine
-    q_smem: int           # FlashFwdTraits' knobs (cuda_src/flash_fwd.cuh, tuning.FlashTiles)
-    kv_split: bool
-    softmax: int
-    kv: int = KV_DENSE    # the K/V source
-    features: int = 0     # FEAT_* bits
-    fp8: bool = False     # a paged fp8 e4m3 cache, widened in shared memory
+    dtype: str = _dtype()                      # f16 / bf16
+    head_dim: int = key_field("hd{}")          # compiled head dim (a multiple of 32)
+    block_m: int = key_field("bm{}")
+    block_n: int = key_field("bn{}")
+    num_warps: int = key_field("w{}")
+    stages: int = key_field("st{}")
+    mask: int = key_field(_mask)             # MASK_NONE / MASK_CAUSAL / MASK_WINDOW
+    split: bool = key_field(_flag("split"))    # write fp32 partials for the split-KV combine
+    # FlashFwdTraits' knobs (cuda_src/flash_fwd.cuh, tuning.FlashTiles)
+    q_smem: int = key_field(lambda q: {0: (), 1: ("qs",)}.get(q, (f"qs{q}",)))
+    kv_split: bool = key_field(_flag("kvs"))
+    softmax: int = key_field(lambda s: (f"sm{s}",) if s else ())
+    kv: int = key_field(_KV_NAMES.get, default=KV_DENSE)         # the K/V source
+    features: int = key_field(_features, default=0)             # FEAT_* bits
+    # a paged fp8 e4m3 cache, widened in shared memory
+    fp8: bool = key_field(_flag("e4m3"), default=False)
+
+    name_order = ("dtype", "head_dim", "block_m", "block_n", "num_warps", "stages", "mask",
+                  "q_smem", "kv_split", "softmax", "split", "kv", "fp8", "features")
 
     op: ClassVar[str] = "flash_fwd"
     header: ClassVar[str] = "flash_fwd.cuh"
@@ -200,20 +97,6 @@ class FlashFwdVariant(Variant):
                              f"(got {self.softmax}), q_smem 0 to 2 (got {self.q_smem}), kv 0 "
                              f"to 2 (got {self.kv}), features 0 to 15 (got {self.features}), "
                              f"fp8 paged and without kv_split (got {self.fp8})")
-
-    def name_parts(self):
-        parts = (self.dtype, f"hd{self.head_dim}", f"bm{self.block_m}", f"bn{self.block_n}",
-                 f"w{self.num_warps}", f"st{self.stages}", _MASK_NAMES[self.mask])
-        qs = {0: (), 1: ("qs",)}.get(self.q_smem, (f"qs{self.q_smem}",))
-        knobs = qs + (("kvs",) if self.kv_split else ()) + \
-            ((f"sm{self.softmax}",) if self.softmax else ())
-        return parts + knobs + (("split",) if self.split else ()) + _KV_NAMES[self.kv] + \
-            (("e4m3",) if self.fp8 else ()) + _feature_parts(self.features)
-
-    def traits_args(self):
-        return (BY_SHORT[self.dtype].cpp, self.head_dim, self.block_m, self.block_n,
-                self.num_warps, self.stages, self.mask, self.split, self.q_smem, self.kv_split,
-                self.softmax, self.kv, self.features, self.fp8)
 
     @property
     def num_threads(self) -> int:
@@ -237,17 +120,26 @@ class FlashFwdVariant(Variant):
 @dataclass(frozen=True)
 class FlashFwdSm90Variant(Variant):
     """The Hopper forward kernel (cuda_src/flash_fwd_sm90.cuh): wgmma, compiled for sm_90a."""
-    dtype: str            # f16 / bf16, or e4m3 (the FP8 form)
-    head_dim: int         # compiled head dim (a multiple of 64; e4m3: of 128)
-    block_m: int          # 64 query rows per warpgroup
-    block_n: int
-    stages: int
-    mask: int             # MASK_NONE / MASK_CAUSAL / MASK_WINDOW
-    split: bool           # write fp32 partials for the split-KV combine
-    features: int = 0     # FEAT_* bits but FEAT_PACK_GQA
-    tma: bool = False     # the producer loads by TMA (tensor maps of Q / K / V), else cp.async
-    kv: int = KV_DENSE    # dense K / V, or a paged cache (paged_prefill; by TMA only)
-    out: str = ""         # e4m3: the output's dtype (f16 / bf16); else "" (the inputs')
+    dtype: str = _dtype()                      # f16 / bf16, or e4m3 (the FP8 form)
+    head_dim: int = key_field("hd{}")          # compiled head dim (a multiple of 64; e4m3: of 128)
+    block_m: int = key_field("bm{}")           # 64 query rows per warpgroup
+    block_n: int = key_field("bn{}")
+    stages: int = key_field("st{}")
+    mask: int = key_field(_mask)             # MASK_NONE / MASK_CAUSAL / MASK_WINDOW
+    split: bool = key_field(_flag("split"))    # write fp32 partials for the split-KV combine
+    features: int = key_field(_features, default=0)   # FEAT_* bits but FEAT_PACK_GQA
+    # the producer loads by TMA (tensor maps of Q / K / V), else cp.async
+    tma: bool = key_field(_flag("tma"), default=False)
+    # dense K / V, or a paged cache (paged_prefill; by TMA only)
+    kv: int = key_field(_KV_NAMES.get, default=KV_DENSE)
+    # e4m3: the output's dtype (f16 / bf16); else "" (the inputs')
+    out: str = key_field(lambda o: (f"o{o}",) if o else (),
+                         cpp=lambda o: _cpp_type(o) if o else (), default="")
+
+    name_order = ("dtype", "head_dim", "block_m", "block_n", "stages", "tma", "mask", "split",
+                  "kv", "features", "out")
+    traits_order = ("dtype", "head_dim", "block_m", "block_n", "stages", "tma", "mask", "split",
+                    "features", "kv", "out")
 
     op: ClassVar[str] = "flash_fwd_sm90"
     header: ClassVar[str] = "flash_fwd_sm90.cuh"
@@ -276,18 +168,6 @@ class FlashFwdSm90Variant(Variant):
                              "TMA, head_dim a "
                              f"multiple of 128 and block_n of 32 (got tma {self.tma}, kv "
                              f"{self.kv}, {self.head_dim}, {self.block_n})")
-
-    def name_parts(self):
-        return (self.dtype, f"hd{self.head_dim}", f"bm{self.block_m}", f"bn{self.block_n}",
-                f"st{self.stages}") + (("tma",) if self.tma else ()) + \
-            (_MASK_NAMES[self.mask],) + (("split",) if self.split else ()) + \
-            _KV_NAMES[self.kv] + _feature_parts(self.features) + \
-            ((f"o{self.out}",) if self.out else ())
-
-    def traits_args(self):
-        return (BY_SHORT[self.dtype].cpp, self.head_dim, self.block_m, self.block_n,
-                self.stages, self.tma, self.mask, self.split, self.features, self.kv) + \
-            ((BY_SHORT[self.out].cpp,) if self.out else ())
 
     @property
     def num_threads(self) -> int:
@@ -352,17 +232,10 @@ class _CombineKey:
     """The key of a kernel that merges fp32 partial rows by their lse (split-KV's combine,
     paged v2's reduce), whose traits are <T, HEAD_DIM, NUM_THREADS, SINKS>; a Variant mixes
     it in."""
-    dtype: str
-    head_dim: int         # (compiled) head dim: bounds the per-thread column passes
-    threads: int
-    sinks: bool           # each head's sink logit joins the merged state
-
-    def name_parts(self):
-        return (self.dtype, f"hd{self.head_dim}", f"t{self.threads}") + \
-            (("sinks",) if self.sinks else ())
-
-    def traits_args(self):
-        return (BY_SHORT[self.dtype].cpp, self.head_dim, self.threads, self.sinks)
+    dtype: str = _dtype()
+    head_dim: int = key_field("hd{}")   # (compiled) head dim: bounds the per-thread column passes
+    threads: int = key_field("t{}")
+    sinks: bool = key_field(_flag("sinks"))   # each head's sink logit joins the merged state
 
 
 @dataclass(frozen=True)
@@ -387,13 +260,15 @@ def _bwd_smem_bytes(block_m: int, block_n: int, head_dim: int, ds_tiles: int = 1
 @dataclass(frozen=True)
 class FlashBwdVariant(Variant):
     """The backward's main kernel: one block per KV tile, 16 keys per warp (mma.sync)."""
-    dtype: str            # f16 / bf16
-    head_dim: int         # compiled head dim (a multiple of 32)
-    block_m: int          # query rows per tile (a multiple of 32)
-    num_warps: int        # BLOCK_N = 16 x num_warps keys
-    q_chunk: int          # queries of a tile whose scores a warp holds at once (a multiple of 16)
-    mask: int             # MASK_NONE / MASK_CAUSAL / MASK_WINDOW
-    features: int = 0     # FEAT_SOFTCAP / FEAT_ALIBI (sinks change nothing here)
+    dtype: str = _dtype()                 # f16 / bf16
+    head_dim: int = key_field("hd{}")     # compiled head dim (a multiple of 32)
+    block_m: int = key_field("bm{}")      # query rows per tile (a multiple of 32)
+    num_warps: int = key_field("w{}")     # BLOCK_N = 16 x num_warps keys
+    # queries of a tile whose scores a warp holds at once (a multiple of 16)
+    q_chunk: int = key_field("qc{}")
+    mask: int = key_field(_mask)        # MASK_NONE / MASK_CAUSAL / MASK_WINDOW
+    # FEAT_SOFTCAP / FEAT_ALIBI (sinks change nothing here)
+    features: int = key_field(_features, default=0)
 
     op: ClassVar[str] = "flash_bwd"
     header: ClassVar[str] = "flash_bwd.cuh"
@@ -420,14 +295,6 @@ class FlashBwdVariant(Variant):
                              f"{self.num_warps}), q_chunk a multiple of 16 dividing block_m "
                              f"(got {self.q_chunk})")
 
-    def name_parts(self):
-        return (self.dtype, f"hd{self.head_dim}", f"bm{self.block_m}", f"w{self.num_warps}",
-                f"qc{self.q_chunk}", _MASK_NAMES[self.mask]) + _feature_parts(self.features)
-
-    def traits_args(self):
-        return (BY_SHORT[self.dtype].cpp, self.head_dim, self.block_m, self.num_warps,
-                self.q_chunk, self.mask, self.features)
-
     @property
     def block_n(self) -> int:
         return 16 * self.num_warps
@@ -449,12 +316,13 @@ class FlashBwdVariant(Variant):
 class FlashBwdSm90Variant(Variant):
     """The Hopper backward's main kernel (cuda_src/flash_bwd_sm90.cuh): the GEMMs on wgmma,
     64 keys per warpgroup, compiled for sm_90a."""
-    dtype: str            # f16 / bf16
-    head_dim: int         # compiled head dim (a multiple of 64)
-    block_m: int          # query rows per tile (a multiple of 64)
-    num_wg: int           # warpgroups: BLOCK_N = 64 x num_wg keys
-    mask: int             # MASK_NONE / MASK_CAUSAL / MASK_WINDOW
-    features: int = 0     # FEAT_SOFTCAP / FEAT_ALIBI (sinks change nothing here)
+    dtype: str = _dtype()                 # f16 / bf16
+    head_dim: int = key_field("hd{}")     # compiled head dim (a multiple of 64)
+    block_m: int = key_field("bm{}")      # query rows per tile (a multiple of 64)
+    num_wg: int = key_field("wg{}")       # warpgroups: BLOCK_N = 64 x num_wg keys
+    mask: int = key_field(_mask)        # MASK_NONE / MASK_CAUSAL / MASK_WINDOW
+    # FEAT_SOFTCAP / FEAT_ALIBI (sinks change nothing here)
+    features: int = key_field(_features, default=0)
 
     op: ClassVar[str] = "flash_bwd_sm90"
     header: ClassVar[str] = "flash_bwd_sm90.cuh"
@@ -480,14 +348,6 @@ class FlashBwdSm90Variant(Variant):
                              f"64-row tiles divide num_wg (1 or 2) into groups of whole "
                              f"64-column blocks "
                              f"(got {self.block_m}, {self.num_wg})")
-
-    def name_parts(self):
-        return (self.dtype, f"hd{self.head_dim}", f"bm{self.block_m}", f"wg{self.num_wg}",
-                _MASK_NAMES[self.mask]) + _feature_parts(self.features)
-
-    def traits_args(self):
-        return (BY_SHORT[self.dtype].cpp, self.head_dim, self.block_m, self.num_wg, self.mask,
-                self.features)
 
     def target_arch(self, device_arch: str) -> str:
         return "sm_90a"   # wgmma exists only in the arch-specific target
@@ -521,19 +381,13 @@ class FlashBwdSm90Variant(Variant):
 class _BwdRowsKey:
     """The key of a backward kernel that takes one warp per (token, head) row (the pre-pass,
     the dQ convert) or a block per head (the sinks' gradient): <T, HEAD_DIM, THREADS>."""
-    dtype: str
-    head_dim: int         # compiled head dim: bounds the per-lane column passes
-    threads: int
+    dtype: str = _dtype()
+    head_dim: int = key_field("hd{}")     # compiled head dim: bounds the per-lane column passes
+    threads: int = key_field("t{}")
 
     header: ClassVar[str] = "flash_bwd.cuh"
     traits: ClassVar[str] = "FlashBwdRowsTraits"
     params: ClassVar[ParamsStruct] = FLASH_BWD_PARAMS
-
-    def name_parts(self):
-        return (self.dtype, f"hd{self.head_dim}", f"t{self.threads}")
-
-    def traits_args(self):
-        return (BY_SHORT[self.dtype].cpp, self.head_dim, self.threads)
 
     @property
     def min_blocks(self) -> int:
@@ -564,10 +418,13 @@ class FlashBwdDsinksVariant(_BwdRowsKey, Variant):
 
 @dataclass(frozen=True)
 class MergeVariant(Variant):
-    dtype: str          # f16 / bf16
-    head_size: int
-    stacked: bool       # k states on a leading axis (merge_states) vs two arrays
-    threads: int
+    dtype: str = _dtype()               # f16 / bf16
+    head_size: int = key_field("hd{}")
+    # k states on a leading axis (merge_states) vs two arrays
+    stacked: bool = key_field(lambda s: ("stack" if s else "pair",))
+    threads: int = key_field("t{}")
+
+    traits_order = ("dtype", "head_size", "threads", "stacked")
 
     op: ClassVar[str] = "merge"
     header: ClassVar[str] = "merge_attn_states.cuh"
@@ -583,49 +440,30 @@ class MergeVariant(Variant):
         # 4 states ran 8% slower (bench/ab.py, H200).
         return 2048 // self.threads
 
-    def name_parts(self):
-        return (self.dtype, f"hd{self.head_size}", "stack" if self.stacked else "pair",
-                f"t{self.threads}")
-
-    def traits_args(self):
-        return (BY_SHORT[self.dtype].cpp, self.head_size, self.threads, self.stacked)
-
 
 # ---- paged decode (cuda_src/paged_attention*.cuh, paged_reduce.cuh, reshape_and_cache.cuh) ----
-
-def _hook_names(key) -> tuple:
-    return (("cap",) if key.softcap else ()) + (("sink",) if key.sinks else ())
-
 
 @dataclass(frozen=True)
 class PagedSimtVariant(Variant):
     """The CUDA-core form (cuda_src/paged_attention.cuh): fp8 caches, any head size."""
-    dtype: str            # q / out: f16 / bf16
-    cache_dtype: str      # f16 / bf16 (same as dtype) or e4m3
-    head_size: int
-    block_size: int
-    group: int            # query heads per thread block (divides the GQA ratio)
-    partition_size: int   # 0 = v1 (whole sequence), else v2's partition in tokens
-    alibi: bool
-    threads: int
-    softcap: bool = False
-    sinks: bool = False   # v1 only (v2's sinks join in the reduce)
+    dtype: str = _dtype()                 # q / out: f16 / bf16
+    cache_dtype: str = _dtype("kv")       # f16 / bf16 (same as dtype) or e4m3
+    head_size: int = key_field("hd{}")
+    block_size: int = key_field("bs{}")
+    group: int = key_field("g{}")         # query heads per thread block (divides the GQA ratio)
+    # 0 = v1 (whole sequence), else v2's partition in tokens
+    partition_size: int = key_field(_partition)
+    alibi: bool = key_field(_alibi)
+    threads: int = key_field("t{}")
+    softcap: bool = key_field(_flag("cap"), default=False)
+    # v1 only (v2's sinks join in the reduce)
+    sinks: bool = key_field(_flag("sink"), default=False)
 
     op: ClassVar[str] = "paged"
     header: ClassVar[str] = "paged_attention.cuh"
     kernel: ClassVar[str] = "paged_attention_kernel"
     traits: ClassVar[str] = "PagedSimtTraits"
     params: ClassVar[ParamsStruct] = PAGED_PARAMS
-
-    def name_parts(self):
-        return (self.dtype, f"kv{self.cache_dtype}", f"hd{self.head_size}", f"bs{self.block_size}",
-                f"g{self.group}", f"p{self.partition_size}" if self.partition_size else "v1",
-                f"a{int(self.alibi)}", f"t{self.threads}") + _hook_names(self)
-
-    def traits_args(self):
-        return (BY_SHORT[self.dtype].cpp, BY_SHORT[self.cache_dtype].cpp, self.head_size,
-                self.block_size, self.group, self.partition_size, self.alibi, self.threads,
-                self.softcap, self.sinks)
 
     @property
     def min_blocks(self) -> int:
@@ -653,18 +491,22 @@ class PagedSimtVariant(Variant):
 class PagedMmaVariant(Variant):
     """The tensor-core form (cuda_src/paged_attention_mma.cuh): 16-bit caches, head sizes
     that are multiples of 16; same params, grid and outputs as PagedSimtVariant."""
-    dtype: str            # q / out / caches: f16 / bf16
-    head_size: int
-    block_size: int
-    group: int            # query heads per thread block, <= 8 (N columns: tokens x group)
-    partition_size: int   # 0 = v1 (whole sequence), else v2's partition in tokens
-    alibi: bool
-    num_warps: int        # the ring (tuning.PagedMmaTiles)
-    stages: int
-    softcap: bool = False
-    sinks: bool = False   # v1 only (v2's sinks join in the reduce)
-    nhd: bool = False     # the NHD cache layout
-    tokens: int = 1       # query tokens per sequence (> 1: multi-token decode, paged_prefill)
+    dtype: str = _dtype()                 # q / out / caches: f16 / bf16
+    head_size: int = key_field("hd{}")
+    block_size: int = key_field("bs{}")
+    # query heads per thread block, <= 8 (N columns: tokens x group)
+    group: int = key_field("g{}")
+    # 0 = v1 (whole sequence), else v2's partition in tokens
+    partition_size: int = key_field(_partition)
+    alibi: bool = key_field(_alibi)
+    num_warps: int = key_field("w{}")     # the ring (tuning.PagedMmaTiles)
+    stages: int = key_field("st{}")
+    softcap: bool = key_field(_flag("cap"), default=False)
+    # v1 only (v2's sinks join in the reduce)
+    sinks: bool = key_field(_flag("sink"), default=False)
+    nhd: bool = key_field(_flag("nhd"), default=False)      # the NHD cache layout
+    # query tokens per sequence (> 1: multi-token decode, paged_prefill)
+    tokens: int = key_field(lambda t: (f"q{t}",) if t > 1 else (), default=1)
 
     op: ClassVar[str] = "paged_mma"
     header: ClassVar[str] = "paged_attention_mma.cuh"
@@ -673,18 +515,6 @@ class PagedMmaVariant(Variant):
     params: ClassVar[ParamsStruct] = PAGED_PARAMS
     smem_from_traits: ClassVar[bool] = True
     TILE: ClassVar[int] = 16      # tokens per warp step (PagedMmaTraits::TILE)
-
-    def name_parts(self):
-        return (self.dtype, f"hd{self.head_size}", f"bs{self.block_size}", f"g{self.group}",
-                f"p{self.partition_size}" if self.partition_size else "v1",
-                f"a{int(self.alibi)}", f"w{self.num_warps}", f"st{self.stages}") + \
-            _hook_names(self) + (("nhd",) if self.nhd else ()) + \
-            ((f"q{self.tokens}",) if self.tokens > 1 else ())
-
-    def traits_args(self):
-        return (BY_SHORT[self.dtype].cpp, self.head_size, self.block_size, self.group,
-                self.partition_size, self.alibi, self.num_warps, self.stages, self.softcap,
-                self.sinks, self.nhd, self.tokens)
 
     @property
     def num_threads(self) -> int:
@@ -720,10 +550,10 @@ class PagedReduceVariant(_CombineKey, Variant):
 
 @dataclass(frozen=True)
 class ReshapeCacheVariant(Variant):
-    dtype: str            # key / value
-    cache_dtype: str
-    slot64: bool          # slot_mapping int64 (else int32)
-    threads: int
+    dtype: str = _dtype()                 # key / value
+    cache_dtype: str = _dtype("kv")
+    slot64: bool = key_field(lambda s: ("s64" if s else "s32",))   # slot_mapping int64 (else int32)
+    threads: int = key_field("t{}")
 
     op: ClassVar[str] = "reshape_and_cache"
     header: ClassVar[str] = "reshape_and_cache.cuh"
@@ -731,18 +561,10 @@ class ReshapeCacheVariant(Variant):
     traits: ClassVar[str] = "ReshapeCacheTraits"
     params: ClassVar[ParamsStruct] = RESHAPE_PARAMS
 
-    def name_parts(self):
-        return (self.dtype, f"kv{self.cache_dtype}", "s64" if self.slot64 else "s32",
-                f"t{self.threads}")
-
-    def traits_args(self):
-        return (BY_SHORT[self.dtype].cpp, BY_SHORT[self.cache_dtype].cpp, self.slot64,
-                self.threads)
-
 
 @dataclass(frozen=True)
 class FlashInferTablesVariant(Variant):
-    threads: int
+    threads: int = key_field("t{}")
 
     op: ClassVar[str] = "flashinfer_tables"
     header: ClassVar[str] = "flashinfer_tables.cuh"
@@ -750,17 +572,11 @@ class FlashInferTablesVariant(Variant):
     traits: ClassVar[str] = "FlashInferTablesTraits"
     params: ClassVar[ParamsStruct] = FLASHINFER_TABLES_PARAMS
 
-    def name_parts(self):
-        return (f"t{self.threads}",)
-
-    def traits_args(self):
-        return (self.threads,)
-
 
 @dataclass(frozen=True)
 class KvCacheAppendVariant(Variant):
-    dtype: str
-    threads: int
+    dtype: str = _dtype()
+    threads: int = key_field("t{}")
 
     op: ClassVar[str] = "kvcache_append"
     header: ClassVar[str] = "kvcache_append.cuh"
@@ -768,44 +584,15 @@ class KvCacheAppendVariant(Variant):
     traits: ClassVar[str] = "KvCacheAppendTraits"
     params: ClassVar[ParamsStruct] = KVCACHE_APPEND_PARAMS
 
-    def name_parts(self):
-        return (self.dtype, f"t{self.threads}")
-
-    def traits_args(self):
-        return (BY_SHORT[self.dtype].cpp, self.threads)
-
 
 @dataclass(frozen=True)
 class QuantizeE4m3Variant(Variant):
     """e4m3 queries from 16-bit ones (cuda_src/quantize_e4m3.cuh): paged_prefill's q_scale."""
-    dtype: str            # the input's: f16 / bf16
-    threads: int
+    dtype: str = _dtype()                 # the input's: f16 / bf16
+    threads: int = key_field("t{}")
 
     op: ClassVar[str] = "quantize_e4m3"
     header: ClassVar[str] = "quantize_e4m3.cuh"
     kernel: ClassVar[str] = "quantize_e4m3_kernel"
     traits: ClassVar[str] = "QuantizeE4m3Traits"
     params: ClassVar[ParamsStruct] = QUANTIZE_PARAMS
-
-    def name_parts(self):
-        return (self.dtype, f"t{self.threads}")
-
-    def traits_args(self):
-        return (BY_SHORT[self.dtype].cpp, self.threads)
-
-
-# ---- the shipped set -------------------------------------------------------------------------------
-
-def shipped(ops: list[str] | None = None, arch: str | None = None) -> list[Variant]:
-    """What ``python -m cuattn precompile`` builds: every variant a default call with a
-    shipped size reaches (cuattn.tuning.SHIPPED has the lists), for any architecture, or
-    (``arch``) those a device of that architecture can run."""
-    from . import tuning
-    ops = list(tuning.SHIPPED) if not ops else ops
-    unknown = [op for op in ops if op not in tuning.SHIPPED]
-    if unknown:
-        raise ValueError(f"--ops: unknown op(s) {unknown}; known: {sorted(tuning.SHIPPED)}")
-    out: dict[Variant, None] = {}
-    for op in ops:
-        out.update(dict.fromkeys(tuning.SHIPPED[op]()))
-    return [v for v in out if arch is None or v.runs_on(arch)]
