@@ -6,11 +6,17 @@
 //                            (and query heads of its KV head) that see it; dQ added in fp32;
 //   flash_bwd_dq_kernel      the fp32 workspace (its slices summed in order) to dQ in T;
 //   flash_bwd_dsinks_kernel  each sink's gradient, -sum_i P_sink(i) D_i, in a fixed order.
-// The parts are the forward's (flash_fwd.cuh): BandMask (with rows(), the inverse of keys()),
-// the logits hook (with its derivative), the traits' FEATURES bits, the swizzled tiles.
+// The parts are the forward's: BandMask (common/mask.cuh, with rows(), the inverse of keys()),
+// the logits hook (common/logits.cuh, with its derivative), the traits' FEATURES bits
+// (flash/features.cuh), a sequence's rows (flash/seqlen.cuh), the swizzled tiles (common/mma.cuh).
 #pragma once
-#include "flash_fwd.cuh"
+#include "common/types.cuh"
+#include "common/softmax.cuh"
+#include "common/mask.cuh"
+#include "common/mma.cuh"
 #include "params/flash_bwd.cuh"
+#include "flash/features.cuh"
+#include "flash/seqlen.cuh"
 
 namespace cuattn {
 
@@ -63,7 +69,7 @@ struct FlashBwdTraits : FlashFeatures<FEATURES_> {
   static constexpr int DS_BYTES = BLOCK_N * BLOCK_M * 2;
   static constexpr int SMEM_BYTES = 2 * KV_TILE_BYTES + STAGES * STAGE_BYTES + DS_BYTES;
   // The layout of a [row][HEAD_DIM] tile (load_tile): the byte offset of 16-byte chunk ch of
-  // row r (flash_fwd.cuh's swizzle); row r + 8 k sits 8 k ROW_BYTES past row r.
+  // row r (common/mma.cuh's swizzle); row r + 8 k sits 8 k ROW_BYTES past row r.
   template <int ROWS>
   static __device__ __forceinline__ u32 tile_offset(int r, int ch) {
     return swizzled_offset<D_CHUNKS>(r, ch);
@@ -459,7 +465,7 @@ __device__ __forceinline__ void ds_from_p(const float (&s)[N_TILES][4], float (&
 }
 
 // A (16 keys x N_TILES n8 tiles) accumulators packed to T as the A operands of k16 steps
-// (flash_fwd.cuh's pack_p layout, which wgmma's register A shares).
+// (WarpSoftmax::pack_p's layout, flash/softmax.cuh, which wgmma's register A shares).
 template <typename T, int N_TILES>
 __device__ __forceinline__ void pack_rows(u32 (&a)[N_TILES / 2][4], const float (&x)[N_TILES][4]) {
 #pragma unroll
