@@ -14,6 +14,7 @@
 #include "common/softmax.cuh"
 #include "common/mask.cuh"
 #include "common/mma.cuh"
+#include "common/row_chunks.cuh"
 #include "params/flash_bwd.cuh"
 #include "flash/features.cuh"
 #include "flash/seqlen.cuh"
@@ -87,18 +88,20 @@ struct FlashBwdTraits : FlashFeatures<FEATURES_> {
 
 // Copy rows [0, ROWS) of a [row][HEAD_DIM] tile of T (row r at src + r * row_stride) into a
 // shared tile of Tr's layout (Tr::tile_offset) by cp.async; rows >= valid_rows and columns >=
-// head_dim zero-filled.
-// Where the block's threads cover whole rows, each copies one fixed column chunk of every
-// ROWS_PER_PASS-th row: one source pointer stepped by a stride (few registers live across the
-// key loop); otherwise chunk c of the tile goes to thread c % THREADS (Tr::LOAD_THREADS
-// threads, tid 0 ..).
+// head_dim zero-filled. The Tr::LOAD_THREADS threads (tid 0 ..) share the chunks as
+// common/row_chunks.cuh lays out. Where they cover whole rows and the tile takes whole passes,
+// each copies one fixed column chunk of every ROWS_PER_PASS-th row: offsets from one source
+// pointer and one shared-memory address (few registers live across the key loop); otherwise
+// chunk by chunk.
 template <typename Tr, int ROWS>
 __device__ __forceinline__ void load_tile(u32 dst, const typename Tr::T* src, long long row_stride,
                                           int valid_rows, int head_dim_chunks, int tid) {
   constexpr int D_CHUNKS = Tr::D_CHUNKS, THREADS = Tr::LOAD_THREADS;
-  if constexpr (THREADS % D_CHUNKS == 0 && ROWS % (THREADS / D_CHUNKS) == 0) {
-    constexpr int ROWS_PER_PASS = THREADS / D_CHUNKS;
-    const int r0 = tid / D_CHUNKS, ch = tid % D_CHUNKS;
+  using Chunks = RowChunks<THREADS, D_CHUNKS>;
+  if constexpr (Chunks::EVEN && ROWS % Chunks::ROWS_PER_PASS == 0) {
+    constexpr int ROWS_PER_PASS = Chunks::ROWS_PER_PASS;
+    const auto first = Chunks::at(0, tid);
+    const int r0 = first.row, ch = first.ch;
     const bool ch_ok = ch < head_dim_chunks;
     const typename Tr::T* s = src + r0 * row_stride + ch * 8;
     const u32 d = dst + Tr::template tile_offset<ROWS>(r0, ch);
@@ -117,10 +120,10 @@ __device__ __forceinline__ void load_tile(u32 dst, const typename Tr::T* src, lo
   } else {
     constexpr int CHUNKS = ROWS * D_CHUNKS;
 #pragma unroll
-    for (int it = 0; it < (CHUNKS + THREADS - 1) / THREADS; ++it) {
-      const int c = it * THREADS + tid;
-      if (CHUNKS % THREADS == 0 || c < CHUNKS) {
-        const int r = c / D_CHUNKS, ch = c % D_CHUNKS;
+    for (int it = 0; it < Chunks::template passes<ROWS>(); ++it) {
+      const auto at = Chunks::at(it, tid);
+      if (CHUNKS % THREADS == 0 || at.index < CHUNKS) {
+        const int r = at.row, ch = at.ch;
         const bool ok = r < valid_rows && ch < head_dim_chunks;
         cp_async_16(dst + Tr::template tile_offset<ROWS>(r, ch),
                     ok ? src + r * row_stride + ch * 8 : src, ok ? 16 : 0);

@@ -13,6 +13,7 @@
 #include "common/types.cuh"
 #include "common/mask.cuh"
 #include "common/mma.cuh"
+#include "common/row_chunks.cuh"
 #include "params/flash_fwd.cuh"
 #include "flash/features.cuh"
 #include "flash/seqlen.cuh"
@@ -90,13 +91,14 @@ struct FlashFwdTraits : FlashFeatures<FEATURES_> {
   static constexpr int SMEM_BYTES = Q_BYTES + STAGES * STAGE_BYTES;
   static constexpr int KV_CHUNKS = BLOCK_N * D_CHUNKS;   // of K, and of V either way
   static constexpr int VT_CHUNKS = BLOCK_N / 8;         // V_BY_DIM: chunks (8 keys) per dim row
-  static constexpr int KV_LOADS_PER_THREAD = (KV_CHUNKS + THREADS - 1) / THREADS;
   static constexpr int Q_LOADS_PER_LANE = WARP_M * D_CHUNKS / 32;
-  // K/V copies: each thread copies a fixed 16-byte column chunk of every ROWS_PER_PASS-th
-  // row when the chunks of a row divide the block evenly; otherwise chunk c of the tile goes
-  // to thread c % THREADS.
-  static constexpr bool EVEN_ROWS = THREADS % D_CHUNKS == 0;
-  static constexpr int ROWS_PER_PASS = EVEN_ROWS ? THREADS / D_CHUNKS : 1;
+  // K/V copies (KVSource::load_16bit): the block's threads share a K or V tile's chunks as
+  // common/row_chunks.cuh lays out; EVEN_ROWS: each thread copies one column chunk of every
+  // ROWS_PER_PASS-th row.
+  using KVChunks = RowChunks<THREADS, D_CHUNKS>;
+  static constexpr bool EVEN_ROWS = KVChunks::EVEN;
+  static constexpr int ROWS_PER_PASS = KVChunks::ROWS_PER_PASS;
+  static constexpr int KV_LOADS_PER_THREAD = KVChunks::template passes<BLOCK_N>();
   // Two inlined copies of the key-loop body (boundary tiles with the mask, the middle
   // without) when registers allow; above head dim 128 ptxas spills with two copies, so one
   // loop skips the mask code with a block-uniform branch instead. Q_SMEM takes the one
@@ -159,8 +161,9 @@ struct KVSource {
                                       int thread)
       : p(params), k(k_rows), v(v_rows), block_table(table), sk(seqlen_k),
         head_dim_chunks(params.head_dim / 8), tid(thread),
-        ld_row(Tr::EVEN_ROWS ? thread / Tr::D_CHUNKS : 0),
-        ld_ch(Tr::EVEN_ROWS ? thread % Tr::D_CHUNKS : 0), ld_ch_ok(ld_ch < head_dim_chunks) {}
+        ld_row(Tr::EVEN_ROWS ? Tr::KVChunks::at(0, thread).row : 0),
+        ld_ch(Tr::EVEN_ROWS ? Tr::KVChunks::at(0, thread).ch : 0),
+        ld_ch_ok(ld_ch < head_dim_chunks) {}
 
   // Paged: the cache block and slot of key j.
   __device__ __forceinline__ long long block_of(int j) const {
@@ -316,6 +319,7 @@ struct KVSource {
         }
       }
     } else if constexpr (Tr::EVEN_ROWS && !Tr::PAGED) {
+      // (unrolled: a tile takes few passes, and K and V share each pass's row and offset)
       const int key0 = tile * Tr::BLOCK_N + ld_row;
       const T* ks = k + k_offset(key0, ld_ch);
       const T* vs = v + v_offset(key0, ld_ch);
@@ -362,9 +366,9 @@ struct KVSource {
     } else {
 #pragma unroll
       for (int it = 0; it < Tr::KV_LOADS_PER_THREAD; ++it) {
-        const int c = it * Tr::THREADS + tid;
-        if (Tr::KV_CHUNKS % Tr::THREADS == 0 || c < Tr::KV_CHUNKS) {
-          const int r = c / D_CHUNKS, ch = c % D_CHUNKS;
+        const auto at = Tr::KVChunks::at(it, tid);
+        if (Tr::KV_CHUNKS % Tr::THREADS == 0 || at.index < Tr::KV_CHUNKS) {
+          const int r = at.row, ch = at.ch;
           const int key = tile * Tr::BLOCK_N + r;
           const bool ok = key < sk && ch < head_dim_chunks;
           const u32 off = swizzled_offset<D_CHUNKS>(r, ch);

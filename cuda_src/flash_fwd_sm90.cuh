@@ -19,6 +19,7 @@
 #include "common/types.cuh"
 #include "common/mask.cuh"
 #include "common/mma.cuh"
+#include "common/row_chunks.cuh"
 #include "common/wgmma.cuh"
 #include "common/wgmma_fp8_ops.cuh"
 #include "params/flash_fwd.cuh"
@@ -142,16 +143,12 @@ struct FlashFwdSm90Traits : FlashFeatures<FEATURES_> {
   // The schedule (for_each_tile): under a right edge (causal or a window) a block walks
   // pairs of row tiles, a heavy one and a light one.
   static constexpr bool PAIR_TILES = Mask::BAND;
-  // The producer's copies: each thread takes one 16-byte column chunk of every
-  // ROWS_PER_PASS-th row when a row's chunks divide the warpgroup (EVEN_ROWS); otherwise
-  // chunk c of the tile goes to thread c % 128 (head dim 192).
-  static constexpr bool EVEN_ROWS = PRODUCER_THREADS % D_CHUNKS == 0;
-  static constexpr int ROWS_PER_PASS = EVEN_ROWS ? PRODUCER_THREADS / D_CHUNKS : 1;
-  template <int ROWS>
-  static constexpr __host__ __device__ int passes() {
-    return EVEN_ROWS ? (ROWS + ROWS_PER_PASS - 1) / ROWS_PER_PASS
-                     : (ROWS * D_CHUNKS + PRODUCER_THREADS - 1) / PRODUCER_THREADS;
-  }
+  // The producer's copies (copy_tile): the warpgroup shares a tile's chunks as
+  // common/row_chunks.cuh lays out; EVEN_ROWS: each thread takes one column chunk of every
+  // ROWS_PER_PASS-th row (not at head dim 192).
+  using TileChunks = RowChunks<PRODUCER_THREADS, D_CHUNKS>;
+  static constexpr bool EVEN_ROWS = TileChunks::EVEN;
+  static constexpr int ROWS_PER_PASS = TileChunks::ROWS_PER_PASS;
 
   static_assert(sizeof(T) == 2 || E4M3, "fp16 / bf16, or e4m3");
   static_assert(sizeof(OutT) == 2 && (E4M3 || sizeof(OutT) == sizeof(T)), "a 16-bit output");
@@ -195,7 +192,7 @@ template <typename Tr, int ROWS, int GROUP_ROWS>
 __device__ __forceinline__ void copy_tile(u32 dst, const typename Tr::T* src, long long stride,
                                           int row0, int limit, int head_dim_chunks, int ptid) {
   constexpr int D_CHUNKS = Tr::D_CHUNKS;
-  constexpr int PASSES = Tr::template passes<ROWS>();
+  constexpr int PASSES = Tr::TileChunks::template passes<ROWS>();
   auto dst_of = [&](int r, int ch) {
     return dst + (r / GROUP_ROWS) * (GROUP_ROWS * Tr::HEAD_DIM * 2) +
            sw128_offset<GROUP_ROWS>(r % GROUP_ROWS, ch);
@@ -203,7 +200,8 @@ __device__ __forceinline__ void copy_tile(u32 dst, const typename Tr::T* src, lo
   if constexpr (Tr::EVEN_ROWS) {
     // a fixed column chunk, every ROWS_PER_PASS-th row; one pointer stepped along (the
     // producer keeps few registers: a rolled loop)
-    const int ch = ptid % D_CHUNKS, r0 = ptid / D_CHUNKS;
+    const auto first = Tr::TileChunks::at(0, ptid);
+    const int ch = first.ch, r0 = first.row;
     const bool ch_ok = ch < head_dim_chunks;
     const typename Tr::T* ptr = src + (long long)(row0 + r0) * stride + ch * 8;
     const long long step = (long long)Tr::ROWS_PER_PASS * stride;
@@ -219,8 +217,8 @@ __device__ __forceinline__ void copy_tile(u32 dst, const typename Tr::T* src, lo
   } else {
 #pragma unroll 1
     for (int it = 0; it < PASSES; ++it) {
-      const int c = it * Tr::PRODUCER_THREADS + ptid;
-      const int r = c / D_CHUNKS, ch = c % D_CHUNKS;
+      const auto at = Tr::TileChunks::at(it, ptid);
+      const int r = at.row, ch = at.ch;
       if (PASSES * Tr::PRODUCER_THREADS == ROWS * D_CHUNKS || r < ROWS) {
         const bool ok = ch < head_dim_chunks && row0 + r < limit;
         cp_async_16(dst_of(r, ch), ok ? src + (long long)(row0 + r) * stride + ch * 8 : src,

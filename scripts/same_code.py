@@ -6,8 +6,11 @@
 Each DIR is a cache as ``python -m cuattn precompile`` writes it (``CUATTN_CACHE_DIR``):
 ``<arch>/<symbol>-<digest>.cubin``. Entries pair by (arch folder, symbol): the digest covers
 the source text, so an edit that moves code changes it even when the code is the same.
-A pair is the same where its bytes are, else where its SASS (``cuobjdump -sass``) and its
-resource usage (``cuobjdump -res-usage``: registers, stack, local memory, i.e. spills) are.
+A pair is the same where its bytes are, else where its SASS (``cuobjdump -sass``) and each
+kernel's resource usage (``cuobjdump -res-usage``: registers, stack, local memory, i.e.
+spills) are. (Left out: the module's "Common" global data. NVRTC emits every static constexpr
+member of an instantiated traits type as a data symbol the code never reads, so a renamed or
+added constant changes the bytes and that line, not the code.)
 Prints one line per arch (pairs, byte-identical, SASS-identical, differing, one side only)
 and a line per differing or unpaired entry; exits 1 if any pair differs or any entry has no
 pair, 2 if cuobjdump is needed and cannot be found (on PATH, or in the pip package
@@ -65,8 +68,17 @@ def entries(cache: Path) -> dict[tuple[str, str], Path]:
 def dump(cuobjdump: str, option: str, cubin: Path) -> list[str]:
     out = subprocess.run([cuobjdump, option, str(cubin)], capture_output=True, text=True,
                          check=True).stdout
-    return [line.rstrip() for line in out.splitlines()
-            if line.strip() and not _NOT_CODE_RE.match(line)]
+    lines, common = [], False
+    for line in out.splitlines():
+        if not line.strip() or _NOT_CODE_RE.match(line):
+            continue
+        if line.strip() == "Common:":    # the module's global data: the next line
+            common = True
+        elif common:
+            common = False
+        else:
+            lines.append(line.rstrip())
+    return lines
 
 
 def main(argv: list[str]) -> int:
