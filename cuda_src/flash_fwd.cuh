@@ -680,13 +680,21 @@ __device__ void flash_fwd_kernel(const FlashFwdParams& p) {
   cp_async_wait<0>();   // nothing may still be writing shared memory when the block exits
 
   // ---- Phase 4: whole rows, then the epilogue -------------------------------------------------
-  // (FP8_CACHE: V was widened unscaled, so O = v_scale x P V)
+  // (the sink logits in raw-score units; FP8_CACHE: V was widened unscaled, so O = v_scale x P V)
+  float sink[M_TILES][2];
+#pragma unroll
+  for (int mt = 0; mt < M_TILES; ++mt) {
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int R = min(row_of(mt, hr), m_last);
+      sink[mt][hr] = WarpSoftmax<Tr>::WITH_SINKS
+                         ? static_cast<const float*>(p.sinks)[qrows.head(R)] *
+                               (p.softmax_scale_inv / k_unit)
+                         : 0.f;
+    }
+  }
   const auto rows = softmax.template finish<Tr::FP8_CACHE>(
-      [&](int mt, int hr) {
-        return static_cast<const float*>(p.sinks)[qrows.head(min(row_of(mt, hr), m_last))] *
-               (p.softmax_scale_inv / k_unit);
-      },
-      [&] { return p.v_scale * kv_head_scale(p.v_scales, p.v_scales_stride, kvh); });
+      sink, [&] { return p.v_scale * kv_head_scale(p.v_scales, p.v_scales_stride, kvh); });
   if constexpr (Tr::SPLIT) {
     store_partials<Tr>(p, rows, o_acc, b, qrows, num_rows, split, qr, m0, warp, g, t4,
                        head_dim_chunks);

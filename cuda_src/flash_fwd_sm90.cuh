@@ -16,7 +16,6 @@
 // the epilogues are the parts flash_fwd.cuh's kernel is built of (flash/). (The cp.async
 // producer's varlen calls keep one block per row tile.)
 #pragma once
-#include "common/types.cuh"
 #include "common/mask.cuh"
 #include "common/mma.cuh"
 #include "common/row_chunks.cuh"
@@ -1051,15 +1050,17 @@ __device__ void flash_fwd_sm90_kernel(const FlashFwdParams& p, const FlashTmaMap
     }
 
     // ---- whole rows, then the epilogue ---------------------------------------------------------
-    // (E4M3: O = v_descale x P V; paged: the host's v_scale too)
-    const auto rows = softmax.template finish<Tr::E4M3>(
-        [&](int, int) {
-          return static_cast<const float*>(p.sinks)[blk.head] * p.softmax_scale_inv / unit;
-        },
-        [&] {
-          return p.v_scale * descale_of(p.v_descale, p.v_descale_stride_batch,
-                                        p.v_descale_stride_head, blk.b, blk.kvh);
-        });
+    // (the sink logit in raw-score units; E4M3: O = v_descale x P V, paged: the host's v_scale
+    // too)
+    float sink[1][2];
+    sink[0][0] = sink[0][1] =
+        WarpSoftmax<Tr>::WITH_SINKS
+            ? static_cast<const float*>(p.sinks)[blk.head] * p.softmax_scale_inv / unit
+            : 0.f;
+    const auto rows = softmax.template finish<Tr::E4M3>(sink, [&] {
+      return p.v_scale * descale_of(p.v_descale, p.v_descale_stride_batch,
+                                    p.v_descale_stride_head, blk.b, blk.kvh);
+    });
     const Lane at = lane_place();
     const QueryRows<false> qrows{blk.head, 1};
     if constexpr (Tr::SPLIT) {

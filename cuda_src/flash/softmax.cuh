@@ -130,25 +130,20 @@ struct WarpSoftmax {
   }
 
   // Whole rows at the end of a row tile (both forwards' tail): the quad's parts of each sum
-  // added, each row's normaliser and lse. The sinks join here, or (SPLIT) once, in the
-  // combine: row (mt, hr)'s sink logit sink_of(mt, hr) (raw-score units) joins the denominator
-  // as a state {sink, 1} of no value; the merged max may move, so inv_sum also carries the
-  // factor that rescales the row's accumulator. Where V entered O += P V unscaled (SCALE_V:
-  // the mma.sync kernel's FP8_CACHE, the Hopper kernel's E4M3), inv_sum takes v_scale() too.
-  // (The callables by reference: closures passed by value changed the Hopper kernel's code.)
+  // added, each row's normaliser and lse. The sinks join here (WITH_SINKS), or (SPLIT) once,
+  // in the combine: row (mt, hr)'s sink logit sink[mt][hr] (raw-score units) joins the
+  // denominator as a state {sink, 1} of no value; the merged max may move, so inv_sum also
+  // carries the factor that rescales the row's accumulator. Where V entered O += P V unscaled
+  // (SCALE_V: the mma.sync kernel's FP8_CACHE, the Hopper kernel's E4M3), inv_sum takes
+  // v_scale() too (a callable: read only then; by reference, as a closure passed by value
+  // changed the Hopper kernel's code).
+  static constexpr bool WITH_SINKS = Tr::SINKS && !Tr::SPLIT;
   struct Rows {
     float inv_sum[M_TILES][2];
     float lse[M_TILES][2];
   };
-  template <bool SCALE_V, typename SinkOf, typename VScale>
-  __device__ __forceinline__ Rows finish(SinkOf&& sink_of, VScale&& v_scale) {
-    constexpr bool WITH_SINKS = Tr::SINKS && !Tr::SPLIT;
-    float sink[M_TILES][2];
-#pragma unroll
-    for (int mt = 0; mt < M_TILES; ++mt) {
-#pragma unroll
-      for (int hr = 0; hr < 2; ++hr) sink[mt][hr] = WITH_SINKS ? sink_of(mt, hr) : 0.f;
-    }
+  template <bool SCALE_V, typename VScale>
+  __device__ __forceinline__ Rows finish(const float (&sink)[M_TILES][2], VScale&& v_scale) {
     Rows r;
 #pragma unroll
     for (int mt = 0; mt < M_TILES; ++mt) {
