@@ -241,7 +241,7 @@ class _CombineKey:
 @dataclass(frozen=True)
 class FlashCombineVariant(_CombineKey, Variant):
     op: ClassVar[str] = "flash_combine"
-    header: ClassVar[str] = "flash_fwd.cuh"
+    header: ClassVar[str] = "flash_combine.cuh"
     kernel: ClassVar[str] = "flash_fwd_combine_kernel"
     traits: ClassVar[str] = "FlashCombineTraits"
     params: ClassVar[ParamsStruct] = FLASH_PARAMS

@@ -6,11 +6,18 @@
 //                            (and query heads of its KV head) that see it; dQ added in fp32;
 //   flash_bwd_dq_kernel      the fp32 workspace (its slices summed in order) to dQ in T;
 //   flash_bwd_dsinks_kernel  each sink's gradient, -sum_i P_sink(i) D_i, in a fixed order.
-// The parts are the forward's (flash_fwd.cuh): BandMask (with rows(), the inverse of keys()),
-// the logits hook (with its derivative), the traits' FEATURES bits, the swizzled tiles.
+// The parts are the forward's: BandMask (common/mask.cuh, with rows(), the inverse of keys()),
+// the logits hook (common/logits.cuh, with its derivative), the traits' FEATURES bits
+// (flash/features.cuh), a sequence's rows (flash/seqlen.cuh), the swizzled tiles (common/mma.cuh).
 #pragma once
-#include "flash_fwd.cuh"
+#include "common/types.cuh"
+#include "common/softmax.cuh"
+#include "common/mask.cuh"
+#include "common/mma.cuh"
+#include "common/row_chunks.cuh"
 #include "params/flash_bwd.cuh"
+#include "flash/features.cuh"
+#include "flash/seqlen.cuh"
 
 namespace cuattn {
 
@@ -63,7 +70,7 @@ struct FlashBwdTraits : FlashFeatures<FEATURES_> {
   static constexpr int DS_BYTES = BLOCK_N * BLOCK_M * 2;
   static constexpr int SMEM_BYTES = 2 * KV_TILE_BYTES + STAGES * STAGE_BYTES + DS_BYTES;
   // The layout of a [row][HEAD_DIM] tile (load_tile): the byte offset of 16-byte chunk ch of
-  // row r (flash_fwd.cuh's swizzle); row r + 8 k sits 8 k ROW_BYTES past row r.
+  // row r (common/mma.cuh's swizzle); row r + 8 k sits 8 k ROW_BYTES past row r.
   template <int ROWS>
   static __device__ __forceinline__ u32 tile_offset(int r, int ch) {
     return swizzled_offset<D_CHUNKS>(r, ch);
@@ -81,18 +88,20 @@ struct FlashBwdTraits : FlashFeatures<FEATURES_> {
 
 // Copy rows [0, ROWS) of a [row][HEAD_DIM] tile of T (row r at src + r * row_stride) into a
 // shared tile of Tr's layout (Tr::tile_offset) by cp.async; rows >= valid_rows and columns >=
-// head_dim zero-filled.
-// Where the block's threads cover whole rows, each copies one fixed column chunk of every
-// ROWS_PER_PASS-th row: one source pointer stepped by a stride (few registers live across the
-// key loop); otherwise chunk c of the tile goes to thread c % THREADS (Tr::LOAD_THREADS
-// threads, tid 0 ..).
+// head_dim zero-filled. The Tr::LOAD_THREADS threads (tid 0 ..) share the chunks as
+// common/row_chunks.cuh lays out. Where they cover whole rows and the tile takes whole passes,
+// each copies one fixed column chunk of every ROWS_PER_PASS-th row: offsets from one source
+// pointer and one shared-memory address (few registers live across the key loop); otherwise
+// chunk by chunk.
 template <typename Tr, int ROWS>
 __device__ __forceinline__ void load_tile(u32 dst, const typename Tr::T* src, long long row_stride,
                                           int valid_rows, int head_dim_chunks, int tid) {
   constexpr int D_CHUNKS = Tr::D_CHUNKS, THREADS = Tr::LOAD_THREADS;
-  if constexpr (THREADS % D_CHUNKS == 0 && ROWS % (THREADS / D_CHUNKS) == 0) {
-    constexpr int ROWS_PER_PASS = THREADS / D_CHUNKS;
-    const int r0 = tid / D_CHUNKS, ch = tid % D_CHUNKS;
+  using Chunks = RowChunks<THREADS, D_CHUNKS>;
+  if constexpr (Chunks::EVEN && ROWS % Chunks::ROWS_PER_PASS == 0) {
+    constexpr int ROWS_PER_PASS = Chunks::ROWS_PER_PASS;
+    const auto first = Chunks::at(0, tid);
+    const int r0 = first.row, ch = first.ch;
     const bool ch_ok = ch < head_dim_chunks;
     const typename Tr::T* s = src + r0 * row_stride + ch * 8;
     const u32 d = dst + Tr::template tile_offset<ROWS>(r0, ch);
@@ -111,10 +120,10 @@ __device__ __forceinline__ void load_tile(u32 dst, const typename Tr::T* src, lo
   } else {
     constexpr int CHUNKS = ROWS * D_CHUNKS;
 #pragma unroll
-    for (int it = 0; it < (CHUNKS + THREADS - 1) / THREADS; ++it) {
-      const int c = it * THREADS + tid;
-      if (CHUNKS % THREADS == 0 || c < CHUNKS) {
-        const int r = c / D_CHUNKS, ch = c % D_CHUNKS;
+    for (int it = 0; it < Chunks::template passes<ROWS>(); ++it) {
+      const auto at = Chunks::at(it, tid);
+      if (CHUNKS % THREADS == 0 || at.index < CHUNKS) {
+        const int r = at.row, ch = at.ch;
         const bool ok = r < valid_rows && ch < head_dim_chunks;
         cp_async_16(dst + Tr::template tile_offset<ROWS>(r, ch),
                     ok ? src + r * row_stride + ch * 8 : src, ok ? 16 : 0);
@@ -459,7 +468,7 @@ __device__ __forceinline__ void ds_from_p(const float (&s)[N_TILES][4], float (&
 }
 
 // A (16 keys x N_TILES n8 tiles) accumulators packed to T as the A operands of k16 steps
-// (flash_fwd.cuh's pack_p layout, which wgmma's register A shares).
+// (WarpSoftmax::pack_p's layout, flash/softmax.cuh, which wgmma's register A shares).
 template <typename T, int N_TILES>
 __device__ __forceinline__ void pack_rows(u32 (&a)[N_TILES / 2][4], const float (&x)[N_TILES][4]) {
 #pragma unroll

@@ -13,12 +13,21 @@
 // producer loads the next one's K / V (and Q, where O has a tile of its own) under the last
 // steps and the epilogue of the current one. The consumers' accumulators have mma.sync's
 // fragment layout, so the online softmax, the mask, the logits hooks, the key-tile order and
-// the epilogues are flash_fwd.cuh's parts. (The cp.async producer's varlen calls keep one
-// block per row tile.)
+// the epilogues are the parts flash_fwd.cuh's kernel is built of (flash/). (The cp.async
+// producer's varlen calls keep one block per row tile.)
 #pragma once
-#include "flash_fwd.cuh"
+#include "common/mask.cuh"
+#include "common/mma.cuh"
+#include "common/row_chunks.cuh"
 #include "common/wgmma.cuh"
 #include "common/wgmma_fp8_ops.cuh"
+#include "params/flash_fwd.cuh"
+#include "flash/features.cuh"
+#include "flash/seqlen.cuh"
+#include "flash/key_tiles.cuh"
+#include "flash/hook_and_mask.cuh"
+#include "flash/softmax.cuh"
+#include "flash/epilogue.cuh"
 
 namespace cuattn {
 
@@ -28,7 +37,7 @@ namespace cuattn {
 // producer loads by tensor map (FlashTmaMaps), else by cp.async; KV: dense K / V, or a paged
 // cache (paged_prefill: by TMA, a box per cache block), NHD (kKvPagedNhd) or vLLM's layout
 // (kKvPagedVllm, its K and V tiles laid out as their boxes land them: Shared memory below).
-// T: fp16 / bf16, or e4m3 (the FP8 form: Q, K and V of one byte, OutT the output's 16-bit
+// T: fp16 / bf16, or e4m3 (the E4M3 form: Q, K and V of one byte, OutT the output's 16-bit
 // type; below).
 template <typename T_, int HEAD_DIM_, int BLOCK_M_, int BLOCK_N_, int STAGES_, bool TMA_,
           int MASK_, bool SPLIT_, int FEATURES_, int KV_, typename OutT_ = T_>
@@ -44,7 +53,7 @@ struct FlashFwdSm90Traits : FlashFeatures<FEATURES_> {
   static constexpr bool SPLIT = SPLIT_;
   static constexpr bool PAGED = KV_ != kKvDense;
   static constexpr bool VLLM = KV_ == kKvPagedVllm;
-  // FP8 (FlashAttention-3's FP8 forward): S = Q K^T and O += P V on e4m3 wgmma (k32), fp32
+  // E4M3 (FlashAttention-3's FP8 forward): S = Q K^T and O += P V on e4m3 wgmma (k32), fp32
   // accumulators and softmax. The e4m3 wgmma reads only K-major B operands, so the producer
   // warpgroup transposes each V tile, landed by TMA in the V ring, into a V^T ring
   // ([dim][key], transpose_v) for the consumers; P = 2^P_SHIFT exp(S - max) (FlashAttention-3's
@@ -52,10 +61,10 @@ struct FlashFwdSm90Traits : FlashFeatures<FEATURES_> {
   // divides the factor out of the sum and the accumulator), packed to e4m3 in registers.
   // Dense or NHD-paged K / V by TMA only (vLLM's V cache lands [dim][key] in 16-key rows, no
   // layout the V^T ring takes); the head dim a multiple of 128 (whole 128-byte rows).
-  static constexpr bool FP8 = sizeof(T_) == 1;
+  static constexpr bool E4M3 = sizeof(T_) == 1;
   static constexpr int ELEM = sizeof(T_);
   static constexpr int COLS = 128 / ELEM;       // columns of a 128-byte-swizzled column block
-  static constexpr int P_SHIFT = FP8 ? 8 : 0;
+  static constexpr int P_SHIFT = E4M3 ? 8 : 0;
 
   // Warpgroup 0 produces; warpgroups 1 .. NUM_WG compute, 64 query rows each.
   static constexpr int NUM_WG = BLOCK_M / 64;
@@ -69,9 +78,9 @@ struct FlashFwdSm90Traits : FlashFeatures<FEATURES_> {
   // varlen schedule (FETCH_VARLEN: only where two consumer warpgroups leave it the
   // registers) need 40; the consumers take what the launch's pool leaves (LAUNCH_REGS below).
   static constexpr bool FETCH_VARLEN = TMA && NUM_WG < 3;
-  static constexpr int PRODUCER_REGS = FP8 ? 56 : TMA && NUM_WG == 3 ? 32 : 40;
-  static constexpr int CONSUMER_REGS = NUM_WG == 3 ? (TMA ? 160 : 152) : FP8 ? 224 : 232;
-  // What flash_fwd.cuh's parts read: each consumer warp owns one m16 tile of rows.
+  static constexpr int PRODUCER_REGS = E4M3 ? 56 : TMA && NUM_WG == 3 ? 32 : 40;
+  static constexpr int CONSUMER_REGS = NUM_WG == 3 ? (TMA ? 160 : 152) : E4M3 ? 224 : 232;
+  // What the shared parts (flash/) read: each consumer warp owns one m16 tile of rows.
   static constexpr int WARP_M = 16;
   static constexpr int M_TILES = 1;
   static constexpr int D_CHUNKS = HEAD_DIM / 8;       // 16-byte chunks per 16-bit row (O's)
@@ -93,15 +102,15 @@ struct FlashFwdSm90Traits : FlashFeatures<FEATURES_> {
   // memory for 16-byte stores: through a tile of its own where the block's 227 KB hold one
   // (O_TILE), so that the next row tile's Q loads under it; else through the Q tiles (O_IN_Q:
   // hd256), which are then released only after the epilogue. (SPLIT stores fp32 partials
-  // straight from the accumulators: neither.) FP8: the V^T ring follows the V ring (tiles of
+  // straight from the accumulators: neither.) E4M3: the V^T ring follows the V ring (tiles of
   // HEAD_DIM rows of 128 keys per 128-byte column block), its V-raw full barriers (TMA
   // landed) the other mbarriers; O (16-bit) is twice Q's bytes, so it takes an O tile.
   static constexpr int WG_Q_BYTES = 64 * HEAD_DIM * ELEM;
   static constexpr int Q_BYTES = BLOCK_M * HEAD_DIM * ELEM;
   static constexpr int KV_TILE_BYTES = BLOCK_N * HEAD_DIM * ELEM;
-  static constexpr int VT_TILE_BYTES = FP8 ? (BLOCK_N + 127) / 128 * 128 * HEAD_DIM : 0;
+  static constexpr int VT_TILE_BYTES = E4M3 ? (BLOCK_N + 127) / 128 * 128 * HEAD_DIM : 0;
   static constexpr int O_BYTES = BLOCK_M * HEAD_DIM * 2;
-  static constexpr int BAR_BYTES = 8 * (2 + (FP8 ? 5 : 4) * STAGES);
+  static constexpr int BAR_BYTES = 8 * (2 + (E4M3 ? 5 : 4) * STAGES);
   static constexpr int SLOT_BYTES = 2 * 16;   // the fetched schedule's ring of two items
   static constexpr int SMEM_NO_O = 1024 + Q_BYTES +
       STAGES * (2 * KV_TILE_BYTES + VT_TILE_BYTES) + BAR_BYTES + SLOT_BYTES;
@@ -133,22 +142,18 @@ struct FlashFwdSm90Traits : FlashFeatures<FEATURES_> {
   // The schedule (for_each_tile): under a right edge (causal or a window) a block walks
   // pairs of row tiles, a heavy one and a light one.
   static constexpr bool PAIR_TILES = Mask::BAND;
-  // The producer's copies: each thread takes one 16-byte column chunk of every
-  // ROWS_PER_PASS-th row when a row's chunks divide the warpgroup (EVEN_ROWS); otherwise
-  // chunk c of the tile goes to thread c % 128 (head dim 192).
-  static constexpr bool EVEN_ROWS = PRODUCER_THREADS % D_CHUNKS == 0;
-  static constexpr int ROWS_PER_PASS = EVEN_ROWS ? PRODUCER_THREADS / D_CHUNKS : 1;
-  template <int ROWS>
-  static constexpr __host__ __device__ int passes() {
-    return EVEN_ROWS ? (ROWS + ROWS_PER_PASS - 1) / ROWS_PER_PASS
-                     : (ROWS * D_CHUNKS + PRODUCER_THREADS - 1) / PRODUCER_THREADS;
-  }
+  // The producer's copies (copy_tile): the warpgroup shares a tile's chunks as
+  // common/row_chunks.cuh lays out; EVEN_ROWS: each thread takes one column chunk of every
+  // ROWS_PER_PASS-th row (not at head dim 192).
+  using TileChunks = RowChunks<PRODUCER_THREADS, D_CHUNKS>;
+  static constexpr bool EVEN_ROWS = TileChunks::EVEN;
+  static constexpr int ROWS_PER_PASS = TileChunks::ROWS_PER_PASS;
 
-  static_assert(sizeof(T) == 2 || FP8, "fp16 / bf16, or e4m3");
-  static_assert(sizeof(OutT) == 2 && (FP8 || sizeof(OutT) == sizeof(T)), "a 16-bit output");
+  static_assert(sizeof(T) == 2 || E4M3, "fp16 / bf16, or e4m3");
+  static_assert(sizeof(OutT) == 2 && (E4M3 || sizeof(OutT) == sizeof(T)), "a 16-bit output");
   static_assert(HEAD_DIM % COLS == 0 && HEAD_DIM <= 256, "head dim: whole 128-byte column blocks");
-  static_assert(!FP8 || (TMA_ && KV_ != kKvPagedVllm && BLOCK_N % 32 == 0),
-                "FP8: dense or NHD-paged K / V by TMA, key tiles of whole k32 steps");
+  static_assert(!E4M3 || (TMA_ && KV_ != kKvPagedVllm && BLOCK_N % 32 == 0),
+                "E4M3: dense or NHD-paged K / V by TMA, key tiles of whole k32 steps");
   static_assert(BLOCK_M % 64 == 0 && BLOCK_M <= 192, "one to three consumer warpgroups");
   static_assert(BLOCK_N % 16 == 0 && BLOCK_N <= 256, "wgmma N of S = Q K^T");
   // The block launches with LAUNCH_REGS registers per thread (min_blocks 1: ptxas takes all
@@ -186,7 +191,7 @@ template <typename Tr, int ROWS, int GROUP_ROWS>
 __device__ __forceinline__ void copy_tile(u32 dst, const typename Tr::T* src, long long stride,
                                           int row0, int limit, int head_dim_chunks, int ptid) {
   constexpr int D_CHUNKS = Tr::D_CHUNKS;
-  constexpr int PASSES = Tr::template passes<ROWS>();
+  constexpr int PASSES = Tr::TileChunks::template passes<ROWS>();
   auto dst_of = [&](int r, int ch) {
     return dst + (r / GROUP_ROWS) * (GROUP_ROWS * Tr::HEAD_DIM * 2) +
            sw128_offset<GROUP_ROWS>(r % GROUP_ROWS, ch);
@@ -194,7 +199,8 @@ __device__ __forceinline__ void copy_tile(u32 dst, const typename Tr::T* src, lo
   if constexpr (Tr::EVEN_ROWS) {
     // a fixed column chunk, every ROWS_PER_PASS-th row; one pointer stepped along (the
     // producer keeps few registers: a rolled loop)
-    const int ch = ptid % D_CHUNKS, r0 = ptid / D_CHUNKS;
+    const auto first = Tr::TileChunks::at(0, ptid);
+    const int ch = first.ch, r0 = first.row;
     const bool ch_ok = ch < head_dim_chunks;
     const typename Tr::T* ptr = src + (long long)(row0 + r0) * stride + ch * 8;
     const long long step = (long long)Tr::ROWS_PER_PASS * stride;
@@ -210,8 +216,8 @@ __device__ __forceinline__ void copy_tile(u32 dst, const typename Tr::T* src, lo
   } else {
 #pragma unroll 1
     for (int it = 0; it < PASSES; ++it) {
-      const int c = it * Tr::PRODUCER_THREADS + ptid;
-      const int r = c / D_CHUNKS, ch = c % D_CHUNKS;
+      const auto at = Tr::TileChunks::at(it, ptid);
+      const int r = at.row, ch = at.ch;
       if (PASSES * Tr::PRODUCER_THREADS == ROWS * D_CHUNKS || r < ROWS) {
         const bool ok = ch < head_dim_chunks && row0 + r < limit;
         cp_async_16(dst_of(r, ch), ok ? src + (long long)(row0 + r) * stride + ch * 8 : src,
@@ -230,9 +236,9 @@ struct FlashTmaMaps {
 };
 
 // The block's shared memory from its 1024-aligned base (Tr::SMEM_BYTES' layout): the Q tiles,
-// the K ring, the V ring (FP8: and the V^T ring), the O tile (Tr::O_TILE; else O is staged in
+// the K ring, the V ring (E4M3: and the V^T ring), the O tile (Tr::O_TILE; else O is staged in
 // the Q tiles), then the mbarriers: Q full, Q empty, per stage K full, K empty, V full, V empty
-// (FP8: then per stage V raw full; V full / empty are then the V^T ring's); then the two slots
+// (E4M3: then per stage V raw full; V full / empty are then the V^T ring's); then the two slots
 // of a fetched schedule's items.
 template <typename Tr>
 struct Sm90Smem {
@@ -312,7 +318,7 @@ __device__ __forceinline__ void copy_paged_tile(u32 dst, const FlashFwdParams& p
   }
 }
 
-// FP8: the descale of (batch entry b, KV head kvh) (FlashAttention-3's (batch, nheads_kv)
+// E4M3: the descale of (batch entry b, KV head kvh) (FlashAttention-3's (batch, nheads_kv)
 // float32 arrays), 1 where the call gave none.
 __device__ __forceinline__ float descale_of(const void* d, int stride_batch, int stride_head,
                                             int b, int kvh) {
@@ -500,11 +506,28 @@ struct RingSlot {
       : stage(step % Tr::STAGES), phase((step / Tr::STAGES) & 1) {}
 };
 
-// FP8: ring step `step`'s V tile ([key][dim], landed in its V ring stage) transposed by the
+// E4M3: P of k32 step kk of m16 tile mt packed to e4m3, the A operand of O += P V (the 16-bit
+// forms take WarpSoftmax::pack_p's k16 steps): from n8 tiles 4 kk .. 4 kk + 3, register 0 the
+// row-g values of tiles 4 kk and 4 kk + 1, register 1 their row-g + 8 values, registers 2 and
+// 3 likewise of tiles 4 kk + 2 and 4 kk + 3: the A fragment's logical keys 4 t4 .. of each 16
+// are then the accumulator's keys 2 t4, 2 t4 + 1, 8 + 2 t4, 9 + 2 t4, the order in which
+// transpose_v writes V^T's keys.
+template <typename Tr>
+__device__ __forceinline__ void pack_p_e4m3(u32 (&pf)[4],
+                                            const float (&s)[Tr::M_TILES][Tr::S_N_TILES][4],
+                                            int mt, int kk) {
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    const int nt = 4 * kk + 2 * (r / 2), e = 2 * (r % 2);
+    pf[r] = pack_e4m3x4(s[mt][nt][e], s[mt][nt][e + 1], s[mt][nt + 1][e], s[mt][nt + 1][e + 1]);
+  }
+}
+
+// E4M3: ring step `step`'s V tile ([key][dim], landed in its V ring stage) transposed by the
 // producer warpgroup into the stage of the V^T ring ([dim][key], 128-byte-swizzled rows of
 // 128 keys), the K-major B operand of O += P V; keys at or past `keys` (the tile's keys
 // inside the sequence) zero, so that P = 0 never meets a non-finite value past a varlen
-// sequence. The keys of each 16 go in the order WarpSoftmax::pack_p packs P: logical key
+// sequence. The keys of each 16 go in the order pack_p_e4m3 packs P: logical key
 // 4 c + {0, 1, 2, 3} is key 2 c + {0, 1, 8, 9} (keys are the contraction index: the same
 // permutation of P's columns and V^T's leaves O unchanged). Per warp, a block of 16 keys x
 // 32 dims at a time: ldmatrix.trans of its four 8-key x 16-byte matrices gives lane l keys
@@ -664,7 +687,7 @@ __device__ __forceinline__ void tma_produce(const FlashFwdParams& p, const Flash
       // a deadlock (waiting every step: seen under racecheck, bench/NOTES.md "Session 7").
       // (Paged: warp 1's other lanes wait too, at TMA steps only, with V_ISSUER: tma_tile's
       // __syncwarp keeps them at its step, so they never fall behind.)
-      if constexpr (Tr::FP8) {
+      if constexpr (Tr::E4M3) {
         // V into the V ring (its stage freed by this warpgroup's transpose of step n -
         // STAGES, which ended at the producer barrier), then the transpose of step n - 1
         // while it lands
@@ -693,7 +716,7 @@ __device__ __forceinline__ void tma_produce(const FlashFwdParams& p, const Flash
         tma_tile(sm.v_tile(s), maps.v, sm.v_full(s), sm.v_empty(s), slot.phase, key0, true);
       }
     }
-    if constexpr (Tr::FP8) {
+    if constexpr (Tr::E4M3) {
       if (tiles.n_steps > 0) {
         const int last = tiles.n_steps - 1;
         transpose_v<Tr>(sm, blk.first_step + last, blk.kr.len - tiles.tile_of(last) * BN, ptid);
@@ -773,7 +796,7 @@ __device__ void flash_fwd_sm90_kernel(const FlashFwdParams& p, const FlashTmaMap
       mbar_init(sm.v_full(s), Tr::FULL_ARRIVALS);
       mbar_init(sm.k_empty(s), Tr::CONSUMER_THREADS);
       mbar_init(sm.v_empty(s), Tr::CONSUMER_THREADS);
-      if constexpr (Tr::FP8) mbar_init(sm.v_raw_full(s), 1);
+      if constexpr (Tr::E4M3) mbar_init(sm.v_raw_full(s), 1);
     }
     fence_mbar_init();
   }
@@ -790,7 +813,7 @@ __device__ void flash_fwd_sm90_kernel(const FlashFwdParams& p, const FlashTmaMap
       }
       if (varlen_call<Tr>(p)) {   // (varlen: a fetched schedule, where FETCH_VARLEN)
         tma_produce<Tr, true>(p, maps, sched, sm, tid);
-      } else if (Tr::FP8 || tid == 0) {   // (FP8: the whole warpgroup transposes V)
+      } else if (Tr::E4M3 || tid == 0) {   // (E4M3: the whole warpgroup transposes V)
         tma_produce<Tr, false>(p, maps, sched, sm, tid);
       }
     } else {
@@ -837,7 +860,7 @@ __device__ void flash_fwd_sm90_kernel(const FlashFwdParams& p, const FlashTmaMap
     }
   };
   auto v_desc = [&](int s, int kk) {
-    if constexpr (Tr::FP8) {   // V^T: k32 step kk 32 bytes into its 128-key column block
+    if constexpr (Tr::E4M3) {   // V^T: k32 step kk 32 bytes into its 128-key column block
       return desc_advance(sw128_desc(sm.vt_tile(s)),
                           (kk / 4) * (Tr::HEAD_DIM * 128) + (kk % 4) * 32);
     } else if constexpr (Tr::VLLM) {
@@ -882,10 +905,10 @@ __device__ void flash_fwd_sm90_kernel(const FlashFwdParams& p, const FlashTmaMap
     float alpha[1][2];
     // Softcap leaves scores as t = tanh(s x cap_in), in units of cap_out: the softmax scale,
     // the ALiBi slope and the sink logit take the factor instead of every score (one FMUL
-    // fewer per score: bench/NOTES.md, "Softcap on the Hopper kernel"). FP8: a score of the
+    // fewer per score: bench/NOTES.md, "Softcap on the Hopper kernel"). E4M3: a score of the
     // e4m3 GEMM is the real one over q_descale x k_descale (qk): the unit (softcap: its
     // input scale) takes the factor.
-    const float qk = Tr::FP8 ? descale_of(p.q_descale, p.q_descale_stride_batch,
+    const float qk = Tr::E4M3 ? descale_of(p.q_descale, p.q_descale_stride_batch,
                                           p.q_descale_stride_head, blk.b, blk.kvh) *
                                    descale_of(p.k_descale, p.k_descale_stride_batch,
                                               p.k_descale_stride_head, blk.b, blk.kvh)
@@ -898,7 +921,7 @@ __device__ void flash_fwd_sm90_kernel(const FlashFwdParams& p, const FlashTmaMap
       slope = static_cast<const float*>(p.alibi_slopes)[blk.b * p.alibi_stride_batch + blk.head] *
               p.softmax_scale_inv / unit;
     }
-    const typename Tr::Logits hook(slope, Tr::FP8 ? p.softcap_in * qk : p.softcap_in, 1.f);
+    const typename Tr::Logits hook(slope, Tr::E4M3 ? p.softcap_in * qk : p.softcap_in, 1.f);
 
     // S = Q K^T of step n into s_acc (issued, committed; the caller waits)
     auto issue_qk = [&](int n) {
@@ -916,7 +939,7 @@ __device__ void flash_fwd_sm90_kernel(const FlashFwdParams& p, const FlashTmaMap
       wait_full(sm.v_full(slot.stage), slot.phase);
 #pragma unroll
       for (int kk = 0; kk < Tr::PV_K_STEPS; ++kk) {
-        Wgmma<T, Tr::HEAD_DIM>::template rs<Tr::VLLM || Tr::FP8 ? 0 : 1>(o_acc[0], p_pack[0][kk],
+        Wgmma<T, Tr::HEAD_DIM>::template rs<Tr::VLLM || Tr::E4M3 ? 0 : 1>(o_acc[0], p_pack[0][kk],
                                                               v_desc(slot.stage, kk), 1);
       }
       wgmma_commit();
@@ -953,12 +976,18 @@ __device__ void flash_fwd_sm90_kernel(const FlashFwdParams& p, const FlashTmaMap
         }
       }
       hook_and_mask<Tr>(s_acc, masked, key0, at.t4, mask, sk, row_of, hook_of);
-      // (MAY_BE_EMPTY: only a band can leave a visited row without keys; see flash_fwd.cuh)
+      // (MAY_BE_EMPTY: only a band can leave a visited row without keys; see flash/softmax.cuh)
       softmax.template update_scores<Tr::Mask::BAND>(s_acc, alpha);
     };
     auto pack_p = [&]() {
 #pragma unroll
-      for (int kk = 0; kk < Tr::PV_K_STEPS; ++kk) WarpSoftmax<Tr>::pack_p(p_pack[0][kk], s_acc, 0, kk);
+      for (int kk = 0; kk < Tr::PV_K_STEPS; ++kk) {
+        if constexpr (Tr::E4M3) {
+          pack_p_e4m3<Tr>(p_pack[0][kk], s_acc, 0, kk);
+        } else {
+          WarpSoftmax<Tr>::pack_p(p_pack[0][kk], s_acc, 0, kk);
+        }
+      }
     };
 
     // Tr::PINGPONG: this warpgroup's turn to issue wgmmas, and the other's after it (both
@@ -1021,18 +1050,17 @@ __device__ void flash_fwd_sm90_kernel(const FlashFwdParams& p, const FlashTmaMap
     }
 
     // ---- whole rows, then the epilogue ---------------------------------------------------------
-    constexpr bool FINISH_SINKS = Tr::SINKS && !Tr::SPLIT;
+    // (the sink logit in raw-score units; E4M3: O = v_descale x P V, paged: the host's v_scale
+    // too)
     float sink[1][2];
     sink[0][0] = sink[0][1] =
-        FINISH_SINKS ? static_cast<const float*>(p.sinks)[blk.head] * p.softmax_scale_inv / unit
-                     : 0.f;
-    auto rows = softmax.template finish<FINISH_SINKS>(sink);
-    if constexpr (Tr::FP8) {   // O = v_descale x P V (paged: the host's v_scale too)
-      const float vd = p.v_scale * descale_of(p.v_descale, p.v_descale_stride_batch,
-                                              p.v_descale_stride_head, blk.b, blk.kvh);
-      rows.inv_sum[0][0] *= vd;
-      rows.inv_sum[0][1] *= vd;
-    }
+        WarpSoftmax<Tr>::WITH_SINKS
+            ? static_cast<const float*>(p.sinks)[blk.head] * p.softmax_scale_inv / unit
+            : 0.f;
+    const auto rows = softmax.template finish<Tr::E4M3>(sink, [&] {
+      return p.v_scale * descale_of(p.v_descale, p.v_descale_stride_batch,
+                                    p.v_descale_stride_head, blk.b, blk.kvh);
+    });
     const Lane at = lane_place();
     const QueryRows<false> qrows{blk.head, 1};
     if constexpr (Tr::SPLIT) {

@@ -1,4 +1,5 @@
-// Parameters of the flash forward kernel and its split-KV combine (cuda_src/flash_fwd.cuh).
+// Parameters of the flash forward kernels and their split-KV combine (cuda_src/flash_fwd.cuh,
+// flash_fwd_sm90.cuh, flash_combine.cuh).
 // Mirrored by cuattn.variants.FLASH_PARAMS; every generated entry point static_asserts the
 // size of each field, and tests/test_jit.py compares the offsets.
 #pragma once
@@ -17,7 +18,7 @@ namespace cuattn {
 //        key at block * k_stride_block + kvh * k_stride_head + c * k_stride_chunk
 //        + slot * k_stride_row (= 8); V (num_blocks, num_heads_kv, head_dim, block_size):
 //        dim d at block * v_stride_block + kvh * v_stride_head + d * v_stride_dim + slot.
-//   fp8 e4m3 caches (FlashFwdTraits FP8): the same in bytes, vLLM's K with 16 one-byte
+//   fp8 e4m3 caches (FlashFwdTraits FP8_CACHE): the same in bytes, vLLM's K with 16 one-byte
 //        values per chunk ((num_blocks, num_heads_kv, head_dim / 16, block_size, 16),
 //        k_stride_row = 16); each value means e4m3 * k_scale (V: * v_scale).
 struct FlashFwdParams {
@@ -36,7 +37,7 @@ struct FlashFwdParams {
   const void* sinks;          // [num_heads] float: a logit per head in the denominator (sinks only)
   const void* k_scales;       // [num_heads_kv] or [1] float: fp8 caches' scales in device memory
   const void* v_scales;       // (null: 1, or the host's v_scale and softmax scale hold them)
-  const void* q_descale;      // [batch, num_heads_kv] float: FP8 q / k / v (the Hopper kernel's
+  const void* q_descale;      // [batch, num_heads_kv] float: E4M3 q / k / v (the Hopper kernel's
   const void* k_descale;      // e4m3 form) mean their values times these (null: 1); query head
   const void* v_descale;      // h takes its KV head's q_descale too (FlashAttention-3)
   long long q_stride_batch, q_stride_row, q_stride_head;
