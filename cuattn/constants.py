@@ -4,9 +4,9 @@ from __future__ import annotations
 
 # Mask kinds of the flash kernel (cuda_src/common/mask.cuh kMask*).
 MASK_NONE, MASK_CAUSAL, MASK_WINDOW = 0, 1, 2
-# K/V sources of the flash kernel (cuda_src/flash_fwd.cuh kKv*): dense, or a paged cache.
+# K/V sources of the flash kernels (cuda_src/flash/features.cuh kKv*): dense, or a paged cache.
 KV_DENSE, KV_PAGED_NHD, KV_PAGED_VLLM = 0, 1, 2
-# Feature bits of the flash kernel (cuda_src/flash_fwd.cuh k*): logits hooks, sinks, and the
+# Feature bits of the flash kernels (cuda_src/flash/features.cuh k*): logits hooks, sinks, and the
 # query heads of one KV head packed into a block's rows.
 FEAT_SOFTCAP, FEAT_ALIBI, FEAT_SINKS, FEAT_PACK_GQA = 1, 2, 4, 8
 

@@ -207,7 +207,7 @@ FLASH_SM90_TILES_HEAVY = {
 FLASH_SM90_SHORT_CAUSAL = {64: 1024}
 
 
-# The FP8 form (e4m3 Q / K / V, flash_fwd_sm90.cuh's Traits::FP8), compiled for head dims of
+# The FP8 form (e4m3 Q / K / V, flash_fwd_sm90.cuh's Traits::E4M3), compiled for head dims of
 # whole 128-byte rows (128, 256: hd64 runs as 128, its tail columns zero). First choice (not
 # swept): 128 x 128 x 2 at hd128, as the 16-bit form; at hd256 a 64-key tile, the widest
 # whose V^T ring (128-key rows) leaves room for the 16-bit O tile (O cannot be staged in
