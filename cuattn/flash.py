@@ -144,16 +144,16 @@ def _checked_plan(arrays, names: tuple, dtype, doc_q: str, *, causal, softmax_sc
     if out is not None:
         A.check_output(out, q.shape, out_type.numpy, "out", doc_q, device_id, align=16)
 
-    def strides(x, shape=None) -> tuple:   # (batch, row, head) / lse's (batch, head, row)
-        s = A.element_strides(x) if shape is None else \
-            A.element_strides_or_contiguous(x, shape)
+    def outer(s: tuple) -> tuple:   # the three outer strides, a varlen call's batch 0
         return (0,) * (3 - len(s)) + tuple(s)
+    # q / k / v / out: (batch, row, head) of (.., row, head, dim); lse: (batch, head, row)
     fields = {f"{n}_stride_{d}": s for n, x in (("q", q), ("k", k), ("v", v))
-              for d, s in zip(("batch", "row", "head"), strides(x))}
+              for d, s in zip(("batch", "row", "head"), outer(A.element_strides(x)[:-1]))}
     fields.update(zip(("o_stride_batch", "o_stride_row", "o_stride_head"),
-                      strides(out, q.shape)))
+                      outer(A.element_strides_or_contiguous(out, q.shape)[:-1])))
     fields.update(zip(("lse_stride_batch", "lse_stride_head", "lse_stride_row"),
-                      strides(None, lse_shape) if return_lse else (0, 0, 0)))
+                      outer(A.element_strides_or_contiguous(None, lse_shape))
+                      if return_lse else (0, 0, 0)))
     fields.update(seqlen_q=seqlen_q, seqlen_k=seqlen_k,
                   alibi_stride_batch=alibi_stride(a["alibi_slopes"]), **fp8_fields)
     return _plan(Call(

@@ -3,7 +3,7 @@
 The proof tool of a refactor that must not change a kernel: run it before and after, then
 diff the two JSON files (every name and every generated source must be identical).
 
-    PYTHONPATH=. python3 scripts/dump_keys.py /tmp/keys.json
+    PYTHONPATH=. python3 scripts/dump_keys.py /tmp/keys.json [--plans /tmp/plans.json]
 
 It collects three sets, nothing compiled and no GPU touched:
 
@@ -14,7 +14,9 @@ It collects three sets, nothing compiled and no GPU touched:
 - the keys of the plans of representative op calls: each op's plan builder runs on fake
   arrays (shape, strides, dtype and an aligned address), with the device (sm_90 or
   sm_80), the kernel loader and the tensor-map driver call faked, so the plan holds the
-  variants it would launch.
+  variants it would launch. ``--plans`` also writes, per call, everything its plan
+  launches and allocates (each launch's kernel, grid, block, shared memory, pointer slots
+  and packed scalar bytes; the outputs, scratch and alignment), or the error it raised.
 """
 from __future__ import annotations
 
@@ -119,6 +121,9 @@ class FakeArray:
         self.data = _Data(FakeArray._next)
         FakeArray._next += ((self.nbytes + 4095) // 4096 + 1) * 4096
 
+    def __repr__(self):     # labels of calls: the same in every run
+        return f"FakeArray({self.shape}, {self.dtype})"
+
     def reshape(self, *shape):
         out = FakeArray(shape[0] if len(shape) == 1 else shape, self.dtype)
         out.data = self.data
@@ -176,19 +181,32 @@ def _patch(arch):
     del cuattn
 
 
-def _kernels_of(call):
+def _plan_of(call):
+    """(the plan the call would launch, or None; what was raised instead, or None)."""
     try:
         call()
     except _Captured as c:
-        out = []
-        for launch in getattr(c.plan, "launches", ()):
-            out.append(launch.kernel)
-        for sub in getattr(c.plan, "plans", ()) or ():
-            out.extend(l.kernel for l in sub.launches)
-        return out
-    except Exception as e:      # a call the fakes cannot carry: say so, keep going
-        print(f"  plan not built: {type(e).__name__}: {e}"[:200], file=sys.stderr)
-    return []
+        return c.plan, None
+    except Exception as e:      # a call the fakes cannot carry, or a refused one: keep going
+        return None, f"{type(e).__name__}: {e}"
+    return None, "no plan built"
+
+
+def _launches(plan) -> list:
+    return list(getattr(plan, "launches", ())) + [
+        launch for sub in getattr(plan, "plans", ()) or () for launch in sub.launches]
+
+
+def _described(plan) -> dict:
+    """Everything a plan launches and allocates, as plain data (``--plans``)."""
+    fields = ("align", "outputs", "scratch", "scratch_bytes", "scratch_zeroed", "result")
+    out = {f: repr(getattr(plan, f, None)) for f in fields}
+    out["launches"] = [dict(kernel=launch.kernel.name, grid=list(launch.grid),
+                            block=list(launch.block), smem=launch.smem,
+                            params=str(launch.dtype), slots=list(launch.slots),
+                            tail=launch.tail.hex(), extra=launch.extra is not None)
+                       for launch in _launches(plan)]
+    return out
 
 
 def _calls():
@@ -211,7 +229,7 @@ def _calls():
                                                    F((2, 1500, 2, hd), dt), **kw)))
             calls.append((f"flash decode {hd} {dt}", lambda hd=hd, dt=dt: cuattn.flash_forward(
                 F((4, 1, 32, hd), dt), F((4, 8000, 8, hd), dt), F((4, 8000, 8, hd), dt))))
-            calls.append((f"flash alibi sinks {hd}", lambda hd=hd, dt=dt: cuattn.flash_forward(
+            calls.append((f"flash alibi sinks {hd} {dt}", lambda hd=hd, dt=dt: cuattn.flash_forward(
                 F((2, 300, 8, hd), dt), F((2, 300, 8, hd), dt), F((2, 300, 8, hd), dt),
                 causal=True, alibi_slopes=F((8,), np.float32), sinks=F((8,), np.float32))))
             calls.append((f"varlen {hd} {dt}", lambda hd=hd, dt=dt: cuattn.flash_varlen_forward(
@@ -273,24 +291,32 @@ def _calls():
     return calls
 
 
-def _plan_keys() -> list:
-    out = []
+def _plans() -> dict:
+    """{arch and call label: (plan, error)} of every representative call."""
+    out = {}
     for arch in ("sm_90", "sm_80"):
         _patch(arch)
         for label, call in _calls():
-            keys = _kernels_of(call)
-            if not keys:
-                print(f"  {arch} {label}: no keys", file=sys.stderr)
-            out.extend(keys)
+            assert f"{arch} {label}" not in out, f"two calls labelled {label}"
+            out[f"{arch} {label}"] = _plan_of(call)
     return out
 
 
-def main(path: str) -> None:
+def main(path: str, plans_path: str | None) -> None:
     import cuattn  # noqa: F401  (every module loaded before the patches)
     for adapter in ("cuattn.jax", "cuattn.torch"):
         with contextlib.suppress(ImportError):
             __import__(adapter)
-    groups = {"shipped": _shipped(), "tests": _test_forms(), "plans": _plan_keys()}
+    shipped, tests, plans = _shipped(), _test_forms(), _plans()
+    for label, (plan, error) in plans.items():
+        if plan is None:
+            print(f"  {label}: {error}"[:200], file=sys.stderr)
+    if plans_path:
+        with open(plans_path, "w") as f:
+            json.dump({label: _described(plan) if plan is not None else {"raised": error}
+                       for label, (plan, error) in plans.items()}, f, indent=0, sort_keys=True)
+    groups = {"shipped": shipped, "tests": tests,
+              "plans": [launch.kernel for plan, _ in plans.values() for launch in _launches(plan)]}
     keys = {}
     for group, variants in groups.items():
         for v in variants:
@@ -305,4 +331,7 @@ def main(path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "keys.json")
+    args = sys.argv[1:]
+    plans_path = args[args.index("--plans") + 1] if "--plans" in args else None
+    paths = [a for a in args if a not in ("--plans", plans_path)]
+    main(paths[0] if paths else "keys.json", plans_path)
