@@ -286,6 +286,46 @@ def _calls():
                 F((8, 100), np.float32))))
             calls.append((f"merge_states {hs} {dt}", lambda hs=hs, dt=dt: cuattn.merge_states(
                 F((4, 100, 8, hs), dt), F((4, 8, 100), np.float32))))
+    # the branches the shared checks and plan builders take: every hook, out= given, lse,
+    # splits, windows, FP8 descales, paged FP8 math, dense caches with a batch index
+    f32 = np.float32
+    for dt in (bf16, f16):
+        for hd in (64, 128):
+            hooks = dict(alibi_slopes=F((8,), f32), sinks=F((8,), f32), softcap=15.0)
+            calls.append((f"flash hooks out lse {hd} {dt}", lambda hd=hd, dt=dt, hooks=hooks:
+                          cuattn.flash_forward(
+                              F((2, 700, 8, hd), dt), F((2, 900, 4, hd), dt),
+                              F((2, 900, 4, hd), dt), window_size=(100, 20), return_lse=True,
+                              out=F((2, 700, 8, hd), dt), **hooks)))
+            calls.append((f"varlen hooks split {hd} {dt}", lambda hd=hd, dt=dt, hooks=hooks:
+                          cuattn.flash_varlen_forward(
+                              F((900, 8, hd), dt), F((1200, 2, hd), dt), F((1200, 2, hd), dt),
+                              F((4,), np.int32), F((4,), np.int32), 500, 700, num_splits=3,
+                              return_lse=True, out=F((900, 8, hd), dt), **hooks)))
+            calls.append((f"bwd hooks det {hd} {dt}", lambda hd=hd, dt=dt, hooks=hooks:
+                          cuattn.flash_backward(
+                              F((2, 500, 8, hd), dt), F((2, 500, 8, hd), dt),
+                              F((2, 600, 2, hd), dt), F((2, 600, 2, hd), dt),
+                              F((2, 500, 8, hd), dt), F((2, 8, 500), f32), causal=True,
+                              deterministic=True, **hooks)))
+            calls.append((f"kvcache batch idx {hd} {dt}", lambda hd=hd, dt=dt:
+                          cuattn.flash_with_kvcache(
+                              F((2, 1, 8, hd), dt), F((5, 2048, 2, hd), dt),
+                              F((5, 2048, 2, hd), dt), cache_seqlens=F((2,), np.int32),
+                              cache_batch_idx=F((2,), np.int32), return_lse=True)))
+        kc, vc = paged.paged_kv_cache_shapes(200, 2, 128, 64, e4m3, "nhd")
+        for nq in (300, 3):
+            calls.append((f"prefill fp8 q_scale {nq} {dt}", lambda kc=kc, vc=vc, dt=dt, nq=nq:
+                          cuattn.paged_prefill(
+                              F((nq * 4, 8, 128), dt), F(kc, e4m3), F(vc, e4m3),
+                              F((4, 64), np.int32), F((4,), np.int32), F((5,), np.int32), nq,
+                              kv_layout="nhd", q_scale=0.5, k_scale=0.25,
+                              v_scale=2.0)))
+    for hd in (128, 256):
+        calls.append((f"fp8 descales {hd}", lambda hd=hd: cuattn.flash_forward(
+            F((2, 1000, 8, hd), e4m3), F((2, 1000, 2, hd), e4m3), F((2, 1000, 2, hd), e4m3),
+            q_descale=F((2, 2), f32), k_descale=F((2, 2), f32), v_descale=F((2, 2), f32),
+            out_dtype=bf16)))
     calls.append(("flashinfer", lambda: cuattn.block_tables_from_flashinfer(
         F((5,), np.int32), F((100,), np.int32), F((4,), np.int32), 16, 64)))
     return calls
