@@ -24,7 +24,7 @@ namespace cuattn {
 // What one pass over the query tiles computes (FlashBwdTraits PASSES).
 enum : int { kBwdDv = 1, kBwdDk = 2, kBwdDq = 4, kBwdAll = 7 };
 
-// Every knob of the main backward kernel (cuattn.variants.FlashBwdVariant, chosen by
+// Every knob of the main backward kernel (cuattn.keys.FlashBwdVariant, chosen by
 // cuattn/tuning_bwd.py) and every constant derived from them.
 //   BLOCK_M    query rows per tile (a multiple of 32: the dS tile's rows are swizzled).
 //   NUM_WARPS  each warp owns 16 keys of the KV tile: BLOCK_N = 16 NUM_WARPS; its dK and dV

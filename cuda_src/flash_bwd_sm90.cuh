@@ -22,7 +22,7 @@
 
 namespace cuattn {
 
-// Every knob of one Hopper backward kernel (cuattn.variants.FlashBwdSm90Variant, chosen by
+// Every knob of one Hopper backward kernel (cuattn.keys.FlashBwdSm90Variant, chosen by
 // cuattn/tuning_bwd.py) and every constant derived from them.
 //   BLOCK_M  query rows per tile: the N of S^T and dP^T, the K of dV and dK (a multiple of 64).
 //   NUM_WG   consumer warpgroups, 64 keys each: BLOCK_N = 64 NUM_WG (and one producer

@@ -24,7 +24,7 @@
 
 namespace cuattn {
 
-// Every knob of one forward kernel (cuattn.variants.FlashFwdVariant, chosen by
+// Every knob of one forward kernel (cuattn.keys.FlashFwdVariant, chosen by
 // cuattn/tuning.py) and every tile constant derived from them.
 //   MASK      kMaskNone / kMaskCausal / kMaskWindow (common/mask.cuh).
 //   SPLIT     split-KV: write normalised fp32 partials for flash_fwd_combine_kernel.

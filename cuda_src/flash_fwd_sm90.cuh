@@ -31,7 +31,7 @@
 
 namespace cuattn {
 
-// Every knob of one sm_90a forward kernel (cuattn.variants.FlashFwdSm90Variant, chosen by
+// Every knob of one sm_90a forward kernel (cuattn.keys.FlashFwdSm90Variant, chosen by
 // cuattn/tuning.py) and the constants derived from them. MASK, SPLIT and FEATURES mean what
 // they mean in FlashFwdTraits (kPackGqa excepted: one query head per block); TMA: the
 // producer loads by tensor map (FlashTmaMaps), else by cp.async; KV: dense K / V, or a paged

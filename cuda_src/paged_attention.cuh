@@ -39,7 +39,7 @@ __device__ __forceinline__ void unpack_raw(const RawVec<BYTES>& v, float (&out)[
   for (int i = 0; i < N; ++i) out[i] = to_float(elems[i]);
 }
 
-// Every knob of the CUDA-core form (cuattn.variants.PagedSimtVariant) and every size derived
+// Every knob of the CUDA-core form (cuattn.keys.PagedSimtVariant) and every size derived
 // from them.
 // SOFTCAP, ALIBI: the logits hook; SINKS: each head's sink joins v1's denominator (v2: the
 // reduce's).

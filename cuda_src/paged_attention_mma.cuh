@@ -30,7 +30,7 @@
 
 namespace cuattn {
 
-// Every knob of the tensor-core form (cuattn.variants.PagedMmaVariant) and every size derived
+// Every knob of the tensor-core form (cuattn.keys.PagedMmaVariant) and every size derived
 // from them. A warp step is TILE = 16 tokens (one m16 tile; 32-token tiles lost 3-20 points
 // of read bandwidth at v2, bench/NOTES.md paged round 3).
 //   SOFTCAP, ALIBI: the logits hook; SINKS: each head's sink joins v1's denominator (v2:

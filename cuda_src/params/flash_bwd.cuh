@@ -1,7 +1,7 @@
 // Parameters of the flash backward kernels (cuda_src/flash_bwd.cuh): the pre-pass, the main
-// kernel, the dQ convert and the sinks' gradient. Mirrored by cuattn.variants.FLASH_BWD_PARAMS;
-// every generated entry point static_asserts the size of each field, and tests/test_jit.py
-// compares the offsets.
+// kernel, the dQ convert and the sinks' gradient. Mirrored by
+// cuattn.param_structs.FLASH_BWD_PARAMS; every generated entry point static_asserts the size
+// of each field, and tests/test_jit.py compares the offsets.
 #pragma once
 
 namespace cuattn {

@@ -1,6 +1,6 @@
 // Parameters of the flash forward kernels and their split-KV combine (cuda_src/flash_fwd.cuh,
 // flash_fwd_sm90.cuh, flash_combine.cuh).
-// Mirrored by cuattn.variants.FLASH_PARAMS; every generated entry point static_asserts the
+// Mirrored by cuattn.param_structs.FLASH_PARAMS; every generated entry point static_asserts the
 // size of each field, and tests/test_jit.py compares the offsets.
 #pragma once
 

@@ -1,5 +1,5 @@
 // Parameters of flashinfer_tables (cuda_src/flashinfer_tables.cuh). Mirrored by
-// cuattn.variants.FLASHINFER_TABLES_PARAMS; every generated entry point static_asserts the
+// cuattn.param_structs.FLASHINFER_TABLES_PARAMS; every generated entry point static_asserts the
 // size of each field, and tests/test_jit.py compares the offsets.
 #pragma once
 

@@ -1,5 +1,5 @@
 // Parameters of kvcache_append (cuda_src/kvcache_append.cuh). Mirrored by
-// cuattn.variants.KVCACHE_APPEND_PARAMS; every generated entry point static_asserts the size
+// cuattn.param_structs.KVCACHE_APPEND_PARAMS; every generated entry point static_asserts the size
 // of each field, and tests/test_jit.py compares the offsets. Strides are in elements.
 #pragma once
 

@@ -1,5 +1,5 @@
 // Parameters of merge_attn_states / merge_states (cuda_src/merge_attn_states.cuh).
-// Mirrored by cuattn.variants.MERGE_PARAMS; every generated entry point static_asserts the
+// Mirrored by cuattn.param_structs.MERGE_PARAMS; every generated entry point static_asserts the
 // size of each field, and tests/test_jit.py compares the offsets.
 #pragma once
 

@@ -1,6 +1,6 @@
 // Parameters of the paged decode kernels (both forms, cuda_src/paged_attention.cuh and
 // paged_attention_mma.cuh) and of their partition reduce (cuda_src/paged_reduce.cuh).
-// Mirrored by cuattn.variants.PAGED_PARAMS / PAGED_REDUCE_PARAMS; every generated entry
+// Mirrored by cuattn.param_structs.PAGED_PARAMS / PAGED_REDUCE_PARAMS; every generated entry
 // point static_asserts the size of each field, and tests/test_jit.py compares the offsets.
 #pragma once
 

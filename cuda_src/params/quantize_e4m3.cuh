@@ -1,5 +1,5 @@
 // Parameters of quantize_e4m3 (cuda_src/quantize_e4m3.cuh). Mirrored by
-// cuattn.variants.QUANTIZE_PARAMS; every generated entry point static_asserts the size of
+// cuattn.param_structs.QUANTIZE_PARAMS; every generated entry point static_asserts the size of
 // each field, and tests/test_jit.py compares the offsets. Strides are in elements.
 #pragma once
 

@@ -1,5 +1,5 @@
 // Parameters of reshape_and_cache (cuda_src/reshape_and_cache.cuh). Mirrored by
-// cuattn.variants.RESHAPE_PARAMS; every generated entry point static_asserts the size of
+// cuattn.param_structs.RESHAPE_PARAMS; every generated entry point static_asserts the size of
 // each field, and tests/test_jit.py compares the offsets.
 #pragma once
 
