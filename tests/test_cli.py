@@ -124,17 +124,20 @@ def test_cli_cache_unknown_action_names_the_actions(capsys):
     assert rc == 2 and len(err.splitlines()) == 1 and "'list', 'clear'" in err
 
 
-@pytest.mark.parametrize("command", [(), ("precompile",), ("cache",), ("info",)])
+@pytest.mark.parametrize("command", [(), ("precompile",), ("bundle",), ("cache",), ("info",)])
 def test_cli_help_is_plain_text(command, capsys):
     rc, out, _ = _main(capsys, *command, "--help")
     assert rc == 0 and "usage:" in out
     assert "`" not in out, out              # no raw RST markup
     if command == ():
-        assert all(c in out for c in ("info", "precompile", "cache", "list or clear"))
+        assert all(c in out for c in ("info", "precompile", "bundle", "cache", "list or clear"))
     if command == ("precompile",):
         assert "flash, merge, paged" in out                 # the valid ops
         assert "-j N, --jobs N" in out and "compiler threads" in out
         assert "sm_80 or newer" in out
+    if command == ("bundle",):
+        assert "default: sm_80 sm_86 sm_89 sm_90;" in " ".join(out.split())
+        assert "flash, merge, paged" in out
     if command == ("cache",):
         assert "{list,clear}" in out
 

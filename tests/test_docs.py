@@ -159,6 +159,15 @@ def test_readme_shipped_set_count_is_the_codes():
         f"README.md measured {documented} shipped variants, the code ships {shipped}: "
         "re-measure into an empty cache (CUATTN_CACHE_DIR=$(mktemp -d) time python -m cuattn "
         "precompile --arch sm_90; du -sh the directory) and update the sentence")
+    from cuattn.__main__ import BUNDLE_ARCHS
+    found = re.search(r"`time python -m cuattn bundle` writes its (\d+) cubins",
+                      " ".join(README.read_text().split()))
+    assert found, "README.md: the bundle's measurement sentence moved"
+    bundled = sum(len(shipped_set.shipped(arch=a)) for a in BUNDLE_ARCHS)
+    assert int(found.group(1)) == bundled, (
+        f"README.md measured a bundle of {found.group(1)} cubins, the code bundles {bundled}: "
+        "re-measure it in a copy of the checkout (time python -m cuattn bundle; python -m "
+        "build) and update the paragraph")
 
 
 def test_cuda13_install_line_lists_every_dependency():

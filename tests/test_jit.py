@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -179,7 +180,7 @@ def test_eight_concurrent_precompiles_leave_a_consistent_cache(tmp_path):
     assert not [p for p in cache_dir.rglob("*") if p.name.endswith(".tmp")]
 
     out, err = _precompile(cache_dir, src).communicate(timeout=600)
-    assert f"{n} variants, 0 compiled, {n} already cached, 0 failed" in out, err
+    assert f"{n} variants, 0 compiled, {n} already cached or bundled, 0 failed" in out, err
 
     victim = entries[n // 2]
     good = victim.read_bytes()
@@ -236,16 +237,48 @@ def test_cache_clear(tmp_path, monkeypatch):
 
 # -- packaging --------------------------------------------------------------------------------
 
-def test_installed_wheel_finds_its_kernel_sources(tmp_path):
-    """Build the wheel, install it into a directory outside the repo, compile from there.
+# Run in the fresh venv: a bundled form resolves to its cubin with NVRTC unusable and an
+# empty cache, a form outside the bundle still compiles (into the cache).
+_IN_THE_VENV = """
+import sys, cuattn, cuattn.jit as jit
+from cuattn.jit import cache, compiler
+from cuattn.tuning import merge_variant
+print(cuattn.__file__, compiler.cuda_src_dir(), cache.bundle_dir())
+key = merge_variant("f16", 64, True)
+def unusable():
+    raise AssertionError("NVRTC called")
+nvrtc, compiler._nvrtc = compiler._nvrtc, unusable
+cubin, compiled = cache.get_cubin(key.name, key.source(), "sm_80")
+assert not compiled and cubin == cache.bundle_path(key.name, key.source(), "sm_80").read_bytes()
+assert cache.entries() == [], cache.entries()
+compiler._nvrtc = nvrtc
+cubin, compiled = cache.get_cubin(key.name, key.source(), "sm_90")
+assert compiled and len(cache.entries()) == 1 and cache.looks_complete(cubin)
+"""
 
-    The dependencies (cupy, NVRTC) come from this interpreter's environment, a virtual one
-    or not; the wheel's directory leads sys.path, so the wheel, not this checkout (nor an
-    editable install of it), provides cuattn."""
+
+def test_installed_wheel_finds_its_kernel_sources(tmp_path):
+    """Bundle the merge forms for sm_80 into a copy of the checkout, build its wheel, install
+    it into a fresh venv, and load from there (~6 s on two cores).
+
+    The copy keeps the checkout's cuattn/cubins/ untouched (``python -m`` imports cuattn from
+    its working directory first). The venv sees this interpreter's
+    packages (cupy, NVRTC; --system-site-packages), but its own site-packages, holding the
+    wheel, comes first, so the wheel, not this checkout (nor an editable install of it),
+    provides cuattn."""
+    repo = tmp_path / "repo"
+    shutil.copytree(REPO, repo, ignore=shutil.ignore_patterns(
+        ".git", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache", ".venv",
+        "cubins"))
+    r = subprocess.run([sys.executable, "-m", "cuattn", "bundle", "--arch", "sm_80", "--ops",
+                        "merge", "-q"], cwd=repo, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    n = len(shipped_set.shipped(["merge"], "sm_80"))
+    assert f"{n} variants, {n} compiled" in r.stdout
     wheel_dir = tmp_path / "wheel"
     # (run outside the checkout: its build/ folder would pass for the build package)
     r = subprocess.run([sys.executable, "-m", "build", "--wheel", "--outdir", str(wheel_dir),
-                        str(REPO)], cwd=tmp_path, capture_output=True, text=True)
+                        str(repo)], cwd=tmp_path, capture_output=True, text=True)
     if "No module named build" in r.stderr:
         pytest.fail("the 'build' package is missing from this environment: pip install build "
                     "(README's install lines and the [test] extra list it)", pytrace=False)
@@ -258,21 +291,25 @@ def test_installed_wheel_finds_its_kernel_sources(tmp_path):
         assert "cuattn/cuda_src/common/types.cuh" in names
         assert "cuattn/cuda_src/params/merge.cuh" in names
         assert "cuattn/paged/attention.py" in names
-    site = tmp_path / "site"
-    r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
-                        "--target", str(site), str(wheel)], capture_output=True, text=True)
+        assert len([m for m in names if m.startswith("cuattn/cubins/sm_80/")]) == n
+    venv = tmp_path / "venv"
+    # (without pip of its own: this interpreter's, seen through the system site-packages,
+    # installs into the venv)
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip",
+                    str(venv)], check=True)
+    python = str(venv / "bin" / "python")
+    # (--ignore-installed: pip would take an installed cuattn of the same version, such as
+    # the editable one in this interpreter's site-packages, as already satisfying the wheel)
+    r = subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", "--no-index",
+                        "--ignore-installed", str(wheel)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
-    code = ("import cuattn, cuattn.jit as jit; from cuattn.tuning import merge_variant; "
-            "src = jit.compiler.cuda_src_dir(); print(cuattn.__file__); print(src); "
-            "r = jit.compile_variant(merge_variant('f16', 64, True), 'sm_90'); "
-            "print(len(r.cubin))")
-    env = dict(os.environ, PYTHONPATH=str(site))
-    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True,
-                       text=True)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["CUATTN_CACHE_DIR"] = str(tmp_path / "cache")
+    r = subprocess.run([python, "-c", _IN_THE_VENV], cwd=tmp_path, env=env,
+                       capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
-    mod_file, src_dir, size = r.stdout.split()
-    assert mod_file.startswith(str(site)) and src_dir.startswith(str(site))
-    assert int(size) > 1000
+    site = str(venv / "lib")
+    assert all(path.startswith(site) for path in r.stdout.split()), r.stdout
 
 
 # -- the device check ---------------------------------------------------------------------------

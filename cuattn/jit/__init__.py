@@ -1,4 +1,8 @@
-"""Run-time compilation: variant keys -> NVRTC -> disk cache -> loaded CuPy functions.
+"""Run-time compilation: variant keys -> cubins -> loaded CuPy functions.
+
+A variant's cubin comes from the first of: this process's loaded functions, the cubins
+bundled in the package (a wheel built after ``python -m cuattn bundle``), the disk cache,
+NVRTC (cache.get_cubin).
 
 ``get_kernel(key)`` is a dictionary hit on (device, key) once the variant has been loaded in
 this process; a public call reaches it only when it builds a launch plan (cuattn._launch).
@@ -50,7 +54,8 @@ def _load(key: Variant, device_id: int):
         try:
             module.load(cubin)
         except cupy.cuda.driver.CUDADriverError:
-            # A cache entry the driver refuses (corrupt but well-formed): rebuild it once.
+            # A bundled or cached cubin the driver refuses (corrupt but well-formed, or
+            # one this driver does not take): compile it here, once.
             cubin, _ = cache.get_cubin(key.name, key.source(), arch, force=True)
             module = cupy.cuda.function.Module()
             module.load(cubin)

@@ -7,6 +7,10 @@ NVRTC version, so an edited header can never reuse a stale binary. Entries are w
 a temporary file and renamed into place, under a per-entry file lock: two processes asking
 for the same variant compile it once and no reader ever sees half a file. A corrupt entry
 is recompiled; an unwritable directory degrades to compiling in memory, with one warning.
+
+A wheel built after ``python -m cuattn bundle`` also carries cubins inside the package
+(``cuattn/cubins/<arch>/<variant name>-<bundle digest>.cubin``), looked up before the cache;
+their digest leaves out the NVRTC version and the CUDA headers (``digest(toolchain=False)``).
 """
 from __future__ import annotations
 
@@ -71,17 +75,24 @@ def included_files(source: str) -> list[Path]:
     return [Path(p) for p in sorted(seen)]
 
 
-def digest(source: str, arch: str) -> str:
+def digest(source: str, arch: str, *, toolchain: bool = True) -> str:
     """Hash of everything that determines the cubin: the source, every file it includes
     (by its name under its include directory, and its bytes), the architecture, the NVRTC
-    version and the options (less the ``-I`` paths, which name this machine's folders)."""
+    version and the options (less the ``-I`` paths, which name this machine's folders).
+
+    ``toolchain=False`` (the bundle's key) leaves out the NVRTC version and the files under
+    the CUDA include directory: a bundled cubin is machine code for its architecture, valid
+    whatever compiler the user has, so only cuattn's own inputs may change its key."""
     h = hashlib.sha256()
-    for part in (source, arch, repr(compiler.nvrtc_version()),
-                 repr([o for o in compiler.compile_options(arch) if not o.startswith("-I")])):
+    version = [repr(compiler.nvrtc_version())] if toolchain else []
+    for part in [source, arch, *version,
+                 repr([o for o in compiler.compile_options(arch) if not o.startswith("-I")])]:
         h.update(part.encode() + b"\0")
     roots = [Path(os.path.normpath(r)) for r in compiler.include_dirs()]
     for path in included_files(source):
         i = next((i for i, r in enumerate(roots) if path.is_relative_to(r)), None)
+        if not toolchain and i != 0:   # roots[0] is cuda_src/ (compiler.include_dirs)
+            continue
         name = path if i is None else f"{i}:{path.relative_to(roots[i])}"
         h.update(f"{name}".encode() + b"\0" + _read(str(path))[1])
     return h.hexdigest()[:20]
@@ -89,6 +100,39 @@ def digest(source: str, arch: str) -> str:
 
 def entry_path(name: str, source: str, arch: str) -> Path:
     return cache_dir() / arch / f"{name}-{digest(source, arch)}.cubin"
+
+
+def bundle_dir() -> Path:
+    """The cubins a wheel carries (written by ``python -m cuattn bundle``; none in a
+    checkout until that runs)."""
+    return Path(__file__).resolve().parent.parent / "cubins"
+
+
+def bundle_path(name: str, source: str, arch: str) -> Path:
+    return bundle_dir() / arch / f"{name}-{digest(source, arch, toolchain=False)}.cubin"
+
+
+def bundled(name: str, source: str, arch: str) -> bytes | None:
+    """The bundle's cubin of one variant, or None (no bundle for ``arch``, or not in it)."""
+    if not (bundle_dir() / arch).is_dir():   # spares the digest where there is no bundle
+        return None
+    return _read_entry(bundle_path(name, source, arch))
+
+
+def bundle_entries() -> list[Path]:
+    root = bundle_dir()
+    return sorted(root.glob("*/*.cubin")) if root.is_dir() else []
+
+
+def add_to_bundle(name: str, source: str, arch: str) -> bool:
+    """Compile one variant into the bundle unless it holds it already; True if compiled now."""
+    path = bundle_path(name, source, arch)
+    if _read_entry(path) is not None:
+        return False
+    cubin = compiler.compile_cubin(source, name, arch).cubin
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _write_atomically(path, cubin)
+    return True
 
 
 def looks_complete(cubin: bytes) -> bool:
@@ -141,10 +185,14 @@ def _write_atomically(path: Path, data: bytes) -> None:
 
 
 def get_cubin(name: str, source: str, arch: str, *, force: bool = False) -> tuple[bytes, bool]:
-    """The cubin of one variant: from the cache, or compiled (and stored). -> (cubin, compiled)
+    """The cubin of one variant: from the bundle, the cache, or compiled (and stored in the
+    cache). -> (cubin, compiled)
 
-    ``force`` recompiles even over a readable entry (used when the driver rejected it).
+    ``force`` recompiles even over a readable bundled or cached cubin (used when the driver
+    rejected it).
     """
+    if not force and (cubin := bundled(name, source, arch)) is not None:
+        return cubin, False
     path = entry_path(name, source, arch)
     if not force and (cubin := _read_entry(path)) is not None:
         return cubin, False
