@@ -9,7 +9,6 @@ unless ``deterministic``. Calls go through cuattn._launch: the checks run once p
 """
 from __future__ import annotations
 
-import cupy
 import numpy as np
 
 from . import _arrays as A
