@@ -108,14 +108,19 @@ def check_fixed_lengths(q, k) -> int:
     return sk
 
 
+def check_max_seqlen(val, name: str) -> int:
+    """A varlen call's bound on its sequences' lengths: an int, 0 <= n < 2**29."""
+    if isinstance(val, bool) or not isinstance(val, (int, np.integer)):
+        raise TypeError(f"{name}: expected an int, got {type(val).__name__}")
+    if val < 0 or val >= MAX_SEQLEN:
+        raise ValueError(f"{name}: expected 0 <= {name} < 2**29, got {val}")
+    return int(val)
+
+
 def check_max_seqlens(max_seqlen_q, max_seqlen_k) -> tuple[int, int]:
-    """The varlen calls' bounds: ints, 0 <= n < 2**29."""
-    for name, val in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
-        if isinstance(val, bool) or not isinstance(val, (int, np.integer)):
-            raise TypeError(f"{name}: expected an int, got {type(val).__name__}")
-        if val < 0 or val >= MAX_SEQLEN:
-            raise ValueError(f"{name}: expected 0 <= {name} < 2**29, got {val}")
-    return int(max_seqlen_q), int(max_seqlen_k)
+    """The varlen calls' bounds (check_max_seqlen), q's then k's."""
+    return (check_max_seqlen(max_seqlen_q, "max_seqlen_q"),
+            check_max_seqlen(max_seqlen_k, "max_seqlen_k"))
 
 
 def _dtype_or_none(x):

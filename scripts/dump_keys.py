@@ -37,6 +37,7 @@ _COMPILE_HELPERS = ("compile_reports", "_check_clean", "_within_bounds", "_check
 
 def _shipped() -> list:
     import importlib
+    # (cuattn.variants: the trees before issue 52's move, the "before" side of a diff)
     for mod in ("cuattn.shipped", "cuattn.variants"):
         try:
             return importlib.import_module(mod).shipped()

@@ -27,7 +27,8 @@ from .. import _tma, tuning
 from .._dtypes import ACTIVATION_DTYPES, FP8_E4M3, UINT8_E4M3, activation_dtype
 from .._hooks import alibi_stride, check_hooks, hook_fields
 from .._launch import NULL, Plan, execute, on_device, plan_cache, plan_for, returns
-from .._checks import MAX_GRID_YZ, MAX_SEQLEN, check_cu_seqlens, check_fp8, check_options
+from .._checks import (MAX_GRID_YZ, check_cu_seqlens, check_fp8, check_max_seqlen,
+                       check_options)
 from ..flash import Call, QuantizeQ
 from ..flash import _plan as flash_plan
 from ..jit import device_info
@@ -113,11 +114,7 @@ def _plan(arrays, max_seqlen_q, causal, softmax_scale, window_size, softcap, k_s
     check_cu_seqlens(cu_q, "cu_seqlens_q")
     num_seqs = cu_q.shape[0] - 1
     check_tables(block_tables, seq_lens, num_seqs)   # num_seqs: cu_seqlens_q has num_seqs + 1
-    if isinstance(max_seqlen_q, bool) or not isinstance(max_seqlen_q, (int, np.integer)):
-        raise TypeError(f"max_seqlen_q: expected an int, got {type(max_seqlen_q).__name__}")
-    if not 0 <= max_seqlen_q < MAX_SEQLEN:
-        raise ValueError(f"max_seqlen_q: expected 0 <= max_seqlen_q < 2**29, got {max_seqlen_q}")
-    max_seqlen_q = int(max_seqlen_q)
+    max_seqlen_q = check_max_seqlen(max_seqlen_q, "max_seqlen_q")
     check_flash_context(block_tables, info.block_size)
     softmax_scale, left, right, num_splits, return_lse = check_options(
         causal, softmax_scale, window_size, num_splits, return_lse, head_size)
@@ -237,18 +234,18 @@ class PagedFlashCall:
 
 def flash_form_plan(c: PagedFlashCall) -> Plan:
     """The flash form of a checked call (PagedFlashCall): flash's _plan over a paged Call.
-    paged_prefill's
-    (arguments q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, alibi_slopes, sinks,
-    k_scale, v_scale, out): the packed rows of cu_seqlens_q, max_seqlen_q the longest. decode
-    (paged_attention's NHD calls the tensor-core form cannot take; arguments q .. seq_lens,
-    alibi_slopes, sinks, k_scale, v_scale, out): one query per sequence, q (num_seqs, nheads,
-    head_size) read as num_seqs batches of one row, no cu_seqlens_q, on the mma.sync kernel
-    (the Hopper kernel's paged producer takes packed rows). capacity: the most keys a
-    sequence has (None: its table's); new_keys: keys each sequence has past its seq_lens entry
-    (FlashFwdParams.new_keys); hopper_ok: False keeps the call on the mma.sync kernel.
-    k_scale / v_scale: scales.Scale (NONE for 16-bit caches); alibi_slopes (num_seqs, nheads)
-    are read with the row stride alibi_stride. fp8_math: paged_prefill's FP8 form (its
-    checks passed: _check_fp8_math), whose kernel reads the scales as descales."""
+    paged_prefill's (arguments q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q,
+    alibi_slopes, sinks, k_scale, v_scale, out): the packed rows of cu_seqlens_q, max_seqlen_q
+    the longest. decode (paged_attention's NHD calls the tensor-core form cannot take;
+    arguments q .. seq_lens, alibi_slopes, sinks, k_scale, v_scale, out): one query per
+    sequence, q (num_seqs, nheads, head_size) read as num_seqs batches of one row, no
+    cu_seqlens_q, on the mma.sync kernel (the Hopper kernel's paged producer takes packed
+    rows). capacity: the most keys a sequence has (None: its table's); new_keys: keys each
+    sequence has past its seq_lens entry (FlashFwdParams.new_keys); hopper_ok: False keeps the
+    call on the mma.sync kernel. k_scale / v_scale: scales.Scale (NONE for 16-bit caches);
+    alibi_slopes (num_seqs, nheads) are read with the row stride alibi_stride. fp8_math:
+    paged_prefill's FP8 form (its checks passed: _check_fp8_math), whose kernel reads the
+    scales as descales."""
     total_q, nheads, _ = c.q.shape
     num_seqs = c.block_tables.shape[0]
     capacity = c.block_tables.shape[1] * c.info.block_size if c.capacity is None else c.capacity
@@ -307,13 +304,15 @@ def flash_form_plan(c: PagedFlashCall) -> Plan:
         lse_stride_head=ls[0], bt_stride_seq=c.block_tables.strides[0] // 4,
         block_shift=c.info.block_size.bit_length() - 1, max_blocks_per_seq=max_blocks,
         seqlen_k=capacity, new_keys=c.new_keys, v_scale=c.v_scale.factor,
-        **scales.fields(c.k_scale, c.v_scale), alibi_stride_batch=c.alibi_stride, **cache, **descales)
+        **scales.fields(c.k_scale, c.v_scale), alibi_stride_batch=c.alibi_stride, **cache,
+        **descales)
     group = nheads // c.info.num_kv_heads
     device_id = c.q.device.id
     arch = device_info(device_id).arch
-    hopper = c.hopper_ok and not c.decode and tuning.paged_prefill_path(arch, head_size, c.kv_layout,
-                                                      c.info.block_size, c.info.cache) == "wgmma" \
-        and _tma.encodable(c.dtype.short, (c.q, c.k_cache, c.v_cache), c.kv_layout)
+    hopper = c.hopper_ok and not c.decode and \
+        tuning.paged_prefill_path(arch, head_size, c.kv_layout, c.info.block_size,
+                                  c.info.cache) == "wgmma" and \
+        _tma.encodable(c.dtype.short, (c.q, c.k_cache, c.v_cache), c.kv_layout)
 
     def variant_for(split: bool, mask: int):
         if c.fp8_math is not None:
@@ -336,7 +335,8 @@ def flash_form_plan(c: PagedFlashCall) -> Plan:
                       qkv=(c.q, c.k_cache, c.v_cache) if hopper else None)
     return flash_plan(Call(
         device_id=device_id, q=c.q, nheads_kv=c.info.num_kv_heads, out=c.out,
-        lse_shape=lse_shape if c.return_lse else None, num_args=c.num_args, out_arg=c.num_args - 1,
+        lse_shape=lse_shape if c.return_lse else None, num_args=c.num_args,
+        out_arg=c.num_args - 1,
         args=args, softmax_scale=softmax_scale, left=c.left, right=c.right,
         num_splits=c.num_splits, features=c.features, softcap=c.softcap, batch=num_seqs,
         max_sq=c.max_seqlen_q, max_sk=capacity, total_q=total_q,
