@@ -107,6 +107,23 @@ def test_the_digest_does_not_depend_on_where_cuda_src_lies(src_copy):
         assert cache.digest(source, "sm_90a") == moved
 
 
+def test_the_digest_does_not_depend_on_where_the_cuda_headers_lie(src_copy, tmp_path,
+                                                                  monkeypatch):
+    # cuda_src/ and the CUDA headers both named in the key: whichever lies first on this
+    # machine (CI's checkout sorted before its CUDA headers, this copy in /tmp after them)
+    source = '#include "flash_fwd_sm90.cuh"\n'
+    cuda = compiler.cuda_include_dir()
+    keys = []
+    for folder in ("0-before", "zz-after"):
+        link = tmp_path / folder / "include"
+        link.parent.mkdir()
+        link.symlink_to(cuda, target_is_directory=True)
+        monkeypatch.setattr(compiler, "cuda_include_dir", lambda link=link: str(link))
+        assert any(p.is_relative_to(link) for p in cache.included_files(source))
+        keys.append(cache.digest(source, "sm_90a"))
+    assert keys[0] == keys[1]
+
+
 def test_a_header_in_the_working_directory_is_never_compiled(tmp_path, monkeypatch):
     # NVRTC looks for the program's quoted includes in its name's folder first: named
     # plainly, that was the process's working directory

@@ -89,12 +89,16 @@ def digest(source: str, arch: str, *, toolchain: bool = True) -> str:
                  repr([o for o in compiler.compile_options(arch) if not o.startswith("-I")])]:
         h.update(part.encode() + b"\0")
     roots = [Path(os.path.normpath(r)) for r in compiler.include_dirs()]
+    named = {}
     for path in included_files(source):
         i = next((i for i, r in enumerate(roots) if path.is_relative_to(r)), None)
         if not toolchain and i != 0:   # roots[0] is cuda_src/ (compiler.include_dirs)
             continue
-        name = path if i is None else f"{i}:{path.relative_to(roots[i])}"
-        h.update(f"{name}".encode() + b"\0" + _read(str(path))[1])
+        named[str(path) if i is None else f"{i}:{path.relative_to(roots[i]).as_posix()}"] = path
+    # in the order of these names, not of the absolute paths: where cuda_src/ lies beside
+    # the CUDA headers must not reorder them
+    for name in sorted(named):
+        h.update(name.encode() + b"\0" + _read(str(named[name]))[1])
     return h.hexdigest()[:20]
 
 
