@@ -98,3 +98,37 @@ def test_adapter_modules_import_cleanly_when_their_framework_is_here():
         except ImportError:
             continue
         importlib.import_module(module)
+
+
+@pytest.mark.parametrize("test_file,alias,module", [
+    ("test_adapters_jax.py", "cjax", "jax.py"),
+    ("test_adapters_torch.py", "ct", "torch.py"),
+])
+def test_adapter_tests_use_only_names_the_adapter_defines(test_file, alias, module):
+    """Every ``cjax.NAME`` / ``ct.NAME`` (and monkeypatch.setattr(alias, "NAME")) of an
+    adapter's test file is a module-level name of cuattn/jax.py / cuattn/torch.py, read from
+    the source (no framework needed): those files' GPU tests skip on a machine without
+    one, so a renamed private (issue 52's _DESCALES) failed only on the device."""
+    import ast
+    tree = ast.parse((REPO / "cuattn" / module).read_text())
+    defined = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            defined.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            defined.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for t in targets:
+                defined.update(n.id for n in ast.walk(t) if isinstance(n, ast.Name))
+    used = set()
+    for node in ast.walk(ast.parse((REPO / "tests" / test_file).read_text())):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and \
+                node.value.id == alias:
+            used.add(node.attr)
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "setattr" \
+                and len(node.args) >= 2 and isinstance(node.args[0], ast.Name) and \
+                node.args[0].id == alias and isinstance(node.args[1], ast.Constant):
+            used.add(node.args[1].value)
+    assert used, f"{test_file}: no use of {alias} found (the test reads the wrong name)"
+    assert sorted(used - defined) == [], f"{test_file} uses names cuattn/{module} lacks"

@@ -29,6 +29,7 @@ jnp = pytest.importorskip("jax.numpy")
 cjax = pytest.importorskip("cuattn.jax", exc_type=ImportError)
 
 import cuattn  # noqa: E402
+from cuattn._checks import DESCALES  # noqa: E402
 
 
 # ---- CPU: the plumbing, with NumPy stand-ins for the kernels --------------------------------
@@ -667,7 +668,7 @@ def test_fp8_equals_flash_forward(case, descales, command_buffer):
     options = dict(causal=case.get("causal", False), window_size=case.get("window", (-1, -1)),
                    softcap=case.get("softcap", 0.0))
     want = cuattn.flash_forward(*map(_on_cupy, qkv), **options,
-                                **dict(zip(cjax._DESCALES, map(_on_cupy, ds))))
+                                **dict(zip(DESCALES, map(_on_cupy, ds))))
     with jax.default_device(device):
         args = [None if x is None else jnp.asarray(x) for x in qkv + ds]
 
@@ -696,7 +697,7 @@ def test_fp8_varlen_equals_flash_varlen_forward(descales, command_buffer):
                         (3, 2) if descales else None)
     want = cuattn.flash_varlen_forward(*map(_on_cupy, qkv), _on_cupy(cu_q), _on_cupy(cu_k),
                                        64, 64, causal=True,
-                                       **dict(zip(cjax._DESCALES, map(_on_cupy, ds))))
+                                       **dict(zip(DESCALES, map(_on_cupy, ds))))
     with jax.default_device(device):
         args = [None if x is None else jnp.asarray(x) for x in qkv + ds]
         cu = jnp.asarray(cu_q), jnp.asarray(cu_k)
@@ -718,11 +719,11 @@ def test_fp8_vmap_equals_flash_forward(mapped):
     if fold:
         flat = [x.reshape((6,) + x.shape[2:]) for x in qkv + ds]
         want = cuattn.flash_forward(*map(_on_cupy, flat[:3]), causal=True,
-                                    **dict(zip(cjax._DESCALES, map(_on_cupy, flat[3:]))))
+                                    **dict(zip(DESCALES, map(_on_cupy, flat[3:]))))
         wants = [want[2 * i:2 * i + 2] for i in range(3)]
     else:
         wants = [cuattn.flash_forward(*(_on_cupy(x[i]) for x in qkv), causal=True,
-                                      **dict(zip(cjax._DESCALES, map(_on_cupy, ds))))
+                                      **dict(zip(DESCALES, map(_on_cupy, ds))))
                  for i in range(3)]
     with jax.default_device(device):
         args = [jnp.asarray(x) for x in qkv + ds]

@@ -17,6 +17,7 @@ import math
 import numpy as np
 import pytest
 
+from cuattn._checks import DESCALES
 from tests.reference import grad_tolerance, tolerance
 
 torch = pytest.importorskip("torch", exc_type=ImportError)
@@ -440,7 +441,7 @@ def _cuattn_fp8(q, k, v, descales, *lengths, **options):
     torch.cuda.synchronize()
     with cupy.cuda.Device(q.device.index):
         out, lse = call(ct._view(q), ct._view(k), ct._view(v), *views, return_lse=True,
-                        **dict(zip(ct._DESCALES, map(ct._view, descales))), **options)
+                        **dict(zip(DESCALES, map(ct._view, descales))), **options)
         cupy.cuda.get_current_stream().synchronize()
     return out, lse
 
@@ -481,7 +482,7 @@ def test_fp8_equals_flash_forward(case, descales):
                    softcap=case.get("softcap", 0.0))
     out, lse, _ = ct.flash_attn_func(q, k, v, **options, alibi_slopes=alibi,
                                      return_attn_probs=True,
-                                     **dict(zip(ct._DESCALES, ds)))
+                                     **dict(zip(DESCALES, ds)))
     assert out.dtype == torch.bfloat16 and not out.requires_grad
     want_out, want_lse = _cuattn_fp8(q, k, v, ds, **options, alibi_slopes=ct._view(alibi))
     _assert_same_bits(out, want_out, f"{case['name']} out")
@@ -502,7 +503,7 @@ def test_fp8_varlen_equals_flash_varlen_forward(descales):
     ds = [torch.rand(3, 2, device="cuda") + 0.5 if descales else None for _ in range(3)]
     out, lse, _ = ct.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 64, 64, causal=True,
                                             return_attn_probs=True,
-                                            **dict(zip(ct._DESCALES, ds)))
+                                            **dict(zip(DESCALES, ds)))
     want_out, want_lse = _cuattn_fp8(q, k, v, ds, cu_q, cu_k, 64, 64, causal=True)
     _assert_same_bits(out, want_out, "varlen out")
     _assert_same_bits(lse, want_lse, "varlen lse")
@@ -533,7 +534,7 @@ def test_fp8_cuda_graph_capture_and_replay():
 
     def step():
         return ct.flash_attn_func(*static[:3], causal=True,
-                                  **dict(zip(ct._DESCALES, static[3:])))
+                                  **dict(zip(DESCALES, static[3:])))
 
     graph, static_out = _captured(step)
     (q2, k2, v2), ds2 = _fp8_qkv("cuda", (2, 256, 8, 128), (2, 256, 2, 128), seed=44)
@@ -551,7 +552,7 @@ def test_fp8_backward_is_refused():
     _hopper()
     (q, k, v), ds = _fp8_qkv("cuda", (1, 64, 4, 128), (1, 64, 2, 128), seed=45)
     q.requires_grad_()
-    out = ct.flash_attn_func(q, k, v, **dict(zip(ct._DESCALES, ds)))
+    out = ct.flash_attn_func(q, k, v, **dict(zip(DESCALES, ds)))
     assert out.requires_grad
     with pytest.raises(RuntimeError, match="float8_e4m3fn"):
         out.float().sum().backward()
