@@ -139,6 +139,7 @@ def test_graph_replays_with_new_scales(rng, op):
     k_dev.set(new_k)
     v_dev.set(new_v)
     out.fill(np.nan)
+    cp.cuda.Device().synchronize()   # (the replay's stream does not wait for the legacy one)
     graph.launch(stream)
     stream.synchronize()
     ratio_k, ratio_v = (new_k / k_h)[None, :, None], (new_v / v_h)[None, :, None]

@@ -651,6 +651,7 @@ def test_stream_argument_and_empty_batch(rng):
     import cupy
     q = _randn(rng, (1, 64, 2, 64), F16)
     s = cupy.cuda.Stream(non_blocking=True)
+    cupy.cuda.Device().synchronize()   # (q's copy: a non-blocking stream does not wait for it)
     out = cuattn.flash_forward(q, q, q, stream=s)
     s.synchronize()
     check_close(out, None, q, q, q)

@@ -393,6 +393,7 @@ def test_strided_q_out_and_stream(rng):
     out_store = cp.full((8, 4, 128), np.nan, dtype=BF16)
     out = out_store.transpose(1, 0, 2)
     stream = cp.cuda.Stream(non_blocking=True)
+    cp.cuda.Device().synchronize()   # (q's copy and the NaN fill: stream does not wait)
     for version in ("v1", "v2"):
         res, lse = cuattn.paged_attention(q, dcase["k_cache"], dcase["v_cache"],
                                           dcase["block_tables"], dcase["seq_lens"],
@@ -446,6 +447,7 @@ def test_captured_in_a_cuda_graph_replays_with_new_lengths(rng, version):
     dcase["q"].set(case["q"])
     dcase["seq_lens"].set(case["seq_lens"])
     out.fill(np.nan)
+    cp.cuda.Device().synchronize()   # (the replay's stream does not wait for the legacy one)
     graph.launch(stream)
     stream.synchronize()
     ref, _ = paged_reference(case["q"], case["k_cache"], case["v_cache"], case["block_tables"],
