@@ -189,6 +189,11 @@ def _plan(arrays, cache_len, own_table, causal, softmax_scale, window_size, soft
         _check_int32_rows(seqlens, batch, "cache_seqlens")
     if not own_table:
         _check_int32_rows(table, batch, "cache_batch_idx")
+    elif batch > batch_cache:
+        # (entry b reads row b: the append skips a row past the cache, but the attention
+        # would read it, out of the caches' memory)
+        raise ValueError(f"k_cache: batch_cache {batch_cache} is less than q's batch {batch} "
+                         "and no cache_batch_idx is given (entry b reads cache row b)")
     device_id = q.device.id
     A.check_same_device({"k_cache": k_cache, "v_cache": v_cache, "cache_seqlens": seqlens,
                          "cache_batch_idx": table if not own_table else None}, device_id)

@@ -1101,6 +1101,9 @@ ROWS += table(
      "k_cache"),
     ("k_cache-no-rows", new("k_cache", "v_cache", shape=(0, 40, 2, 64)), ValueError,
      "k_cache"),
+    ("k_cache-fewer-rows-than-batch-without-cache_batch_idx",
+     lambda kw, mk: new("k_cache", "v_cache", shape=(1, 40, 2, 64))(
+         {**kw, "cache_batch_idx": None}, mk), ValueError, "k_cache"),
     ("k_cache-row-stride", make(k_cache=padded((3, 40, 2, 64), BF16, 4)), ValueError,
      "k_cache"),
     ("v_cache-strided", new("v_cache", strided=True), ValueError, "v_cache"),
